@@ -1,0 +1,148 @@
+"""ResNet34 from torchvision, how to load weights into it, and BatchNorm that syncs on CPU."""
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchvision.models import ResNet34_Weights, resnet34
+
+from utils import UserError
+
+
+def create_model(num_classes: int) -> nn.Module:
+    return resnet34(weights=None, num_classes=num_classes)
+
+
+def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Model weights from a plain state dict or from one of our checkpoints.
+
+    `weights_only=True` refuses pickles that would run code; the file is mapped, not read,
+    so checking it costs little.
+    """
+    if not Path(path).is_file():
+        raise UserError(f"weights file {path!r} does not exist")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path!r} is not a PyTorch checkpoint or state dict ({first_line})") from None
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+        obj = obj["model"]  # one of our checkpoints
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise UserError(f"{path!r} holds no state dict of tensors")
+    # Checkpoints saved from a DDP-wrapped or compiled model prefix every key.
+    return {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in obj.items()}
+
+
+def load_weights(model: nn.Module, source: str, log: Callable[[str], None]) -> None:
+    """Load `source` (a file, or `imagenet`) into `model`, skipping tensors whose shape differs
+    (the 1000-class ImageNet head, typically)."""
+    if source == "imagenet":
+        try:
+            state = ResNet34_Weights.IMAGENET1K_V1.get_state_dict(progress=True)
+        except Exception as e:  # URLError and friends: offline, proxy, no disk
+            raise UserError(
+                f"could not download torchvision's ImageNet weights ({type(e).__name__}: {e}); "
+                "offline, download resnet34-b627a593.pth elsewhere and pass it as --weights PATH"
+            ) from None
+    else:
+        state = read_state_dict(source)
+    own = model.state_dict()
+    loadable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    skipped = sorted(k for k in state if k not in loadable)
+    missing = sorted(k for k in own if k not in loadable)
+    if not loadable:
+        raise UserError(f"{source!r} has no tensor that fits ResNet34 (is it a ResNet34 checkpoint?)")
+    model.load_state_dict(loadable, strict=False)
+    log(
+        f"weights from {source}: loaded {len(loadable)} tensors, skipped {len(skipped)}"
+        + (f" ({', '.join(skipped)})" if skipped else "")
+        + (f"; kept initial values for {', '.join(missing)}" if missing else "")
+    )
+
+
+def freeze_backbone(model: nn.Module) -> None:
+    """Train only the classifier (`fc`)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("fc."))
+
+
+def set_train_mode(model: nn.Module) -> None:
+    """model.train(), except BatchNorm layers whose parameters are frozen stay in eval mode:
+    a frozen backbone must not have its running statistics drift towards the new data."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.weight is not None:
+            if not module.weight.requires_grad:
+                module.eval()
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks, differentiably: the gradient of a sum over ranks is the sum over
+    ranks of the incoming gradients."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class CPUSyncBatchNorm(nn.BatchNorm2d):
+    """BatchNorm2d whose batch statistics are taken over every rank, for CPU (gloo) jobs.
+
+    torch.nn.SyncBatchNorm only runs on accelerators. This computes the same thing with a
+    differentiable all_reduce: the forward pass sums (count, sum) and then the squared
+    deviations over ranks, and the backward pass sums the matching gradients, so N ranks with
+    batch b compute what one process with batch N*b would.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return super().forward(x)
+        channels = x.shape[1]
+        dims = [0, 2, 3]
+        local = torch.cat([x.sum(dims), x.new_tensor([x.numel() / channels])])
+        total = _AllReduceSum.apply(local)
+        count = total[-1]
+        mean = total[:channels] / count
+        centered = x - mean.view(1, -1, 1, 1)
+        var = _AllReduceSum.apply(centered.pow(2).sum(dims)) / count
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                unbiased = var * (count / (count - 1).clamp(min=1))
+                self.running_mean.lerp_(mean, momentum)
+                self.running_var.lerp_(unbiased, momentum)
+        out = centered * torch.rsqrt(var + self.eps).view(1, -1, 1, 1)
+        if self.affine:
+            out = out * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+        return out
+
+
+def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
+    if device.type != "cpu":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    for name, child in model.named_children():
+        if type(child) is nn.BatchNorm2d:
+            sync = CPUSyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats)
+            sync.load_state_dict(child.state_dict())
+            sync.train(child.training)
+            if child.affine:
+                sync.weight.requires_grad_(child.weight.requires_grad)
+                sync.bias.requires_grad_(child.bias.requires_grad)
+            setattr(model, name, sync)
+        else:
+            convert_sync_batchnorm(child, device)
+    return model

@@ -1,0 +1,130 @@
+"""The one command line of all three launchers, and the checks made before any process starts.
+
+Configuration flows one way: command line -> `args` -> printed once -> stored in the run
+folder and in every checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from model import read_state_dict
+from multi_train_utils.checkpoint import load_checkpoint
+from utils import DataSplit, Sample, UserError, download_flower_photos, list_images
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class BoolFlag(argparse.Action):
+    """`--x` and `--x true` turn it on; `--no-x` and `--x false` turn it off.
+
+    The original scripts used `type=bool`, for which `--syncBN False` means True. Here the
+    value, when given, is parsed strictly, so old command lines keep their intended meaning.
+    """
+
+    def __init__(self, option_strings: list[str], dest: str, default: bool = False, help: str | None = None):
+        negated = [f"--no-{s[2:]}" for s in option_strings if s.startswith("--")]
+        super().__init__(option_strings + negated, dest, nargs="?", default=default, metavar="BOOL", help=help)
+
+    def __call__(self, parser, namespace, value, option_string=None):  # type: ignore[override]
+        on = not option_string.startswith("--no-")
+        if value is not None:
+            if value.lower() not in _TRUE | _FALSE:
+                parser.error(f"{option_string} takes true or false, not {value!r}")
+            on = on == (value.lower() in _TRUE)
+        setattr(namespace, self.dest, on)
+
+
+def get_args_parser(description: str) -> argparse.ArgumentParser:
+    """The options every launcher shares; each launcher adds the few of its own."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    data = p.add_argument_group("data")
+    data.add_argument("--data-path", default="dataset/flower_photos", help="one sub-folder of images per class")
+    data.add_argument("--download", action=BoolFlag, help="fetch flower_photos.tgz into --data-path when it is missing")
+    data.add_argument("--val-rate", type=float, default=0.2, help="share of each class held out for validation")
+    data.add_argument("--num-classes", "--num_classes", type=int, default=None,
+                      help="number of classes; inferred from the folders, and checked against them when given")
+    data.add_argument("--img-size", type=int, default=224, help="training crop; validation resizes to img/0.875 and crops")
+    data.add_argument("--workers", type=int, default=None,
+                      help="data-loader processes per training process (default: CPUs per process - 1, at most 8)")
+
+    train = p.add_argument_group("training")
+    train.add_argument("--epochs", type=int, default=30)
+    train.add_argument("--batch-size", type=int, default=16, help="images per process and step")
+    train.add_argument("--lr", type=float, default=0.1,
+                       help="learning rate for a global batch of 256; the run uses lr * global_batch / 256")
+    train.add_argument("--lrf", type=float, default=0.01, help="final learning rate as a fraction of the peak")
+    train.add_argument("--momentum", type=float, default=0.9)
+    train.add_argument("--weight-decay", type=float, default=5e-5, help="applied to weights, not to BatchNorm or biases")
+    train.add_argument("--warmup-epochs", type=float, default=1.0, help="linear warm-up before the cosine decay")
+    train.add_argument("--label-smoothing", type=float, default=0.1)
+    train.add_argument("--seed", type=int, default=0, help="seeds the split, the initial weights and the augmentation")
+
+    model = p.add_argument_group("model")
+    model.add_argument("--weights", default=None,
+                       help="initial weights: a state dict, one of our checkpoints, or 'imagenet'")
+    model.add_argument("--freeze-layers", action=BoolFlag, help="train only the classifier")
+    model.add_argument("--sync-bn", "--syncBN", action=BoolFlag,
+                       help="BatchNorm statistics over all processes (multi-process runs only)")
+
+    run = p.add_argument_group("run")
+    run.add_argument("--output-dir", default=None, help="run folder (default: runs/<launcher>-<time>)")
+    run.add_argument("--resume", default=None, metavar="PATH|auto",
+                     help="continue from a checkpoint; 'auto' takes <output-dir>/last.pth when it exists")
+    run.add_argument("--eval-only", action=BoolFlag, help="evaluate --resume (or --weights) on the validation split")
+    run.add_argument("--backend", default=None, choices=["nccl", "gloo"],
+                     help="process-group backend (default: nccl on CUDA, gloo on the CPU)")
+    run.add_argument("--dist-timeout", type=float, default=1800,
+                     help="seconds a collective may wait for a peer before the job fails")
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What every training process needs before it starts: checked args and the image files."""
+
+    args: argparse.Namespace
+    launcher: str
+    class_names: list[str]
+    samples: list[Sample]
+
+
+def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Plan:
+    """Check the command line and list the images before any collective, so that a user
+    mistake is one clear error in every process, never a hung job. `verbose`: this process
+    may print (the first on its machine)."""
+    if not 0 < args.val_rate < 1:
+        raise UserError(f"--val-rate must be between 0 and 1 (exclusive), not {args.val_rate}")
+    for name in ("epochs", "batch_size", "img_size"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.workers is not None and args.workers < 0:
+        raise UserError("--workers cannot be negative")
+    if args.num_classes is not None and args.num_classes < 2:
+        raise UserError("--num-classes must be at least 2")
+    if args.eval_only and not (args.resume or args.weights):
+        raise UserError("--eval-only needs --resume PATH or --weights PATH to evaluate")
+    if args.resume == "auto" and args.output_dir is None:
+        raise UserError("--resume auto needs --output-dir (it looks for <output-dir>/last.pth)")
+    if args.weights and args.weights != "imagenet":
+        read_state_dict(args.weights)  # exists and holds tensors, or a UserError
+    if args.resume and args.resume != "auto":
+        load_checkpoint(args.resume, mmap=True)  # mapped, so checking costs little
+    if args.download and not Path(args.data_path).is_dir():
+        # torchrun starts every process at once; a file lock inside lets one of them download.
+        download_flower_photos(args.data_path, log=print if verbose else _quiet)
+    class_names, samples = list_images(args.data_path, args.num_classes)
+    return Plan(args, launcher, class_names, samples)
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def split_summary(split: DataSplit) -> str:
+    return (
+        f"{len(split.train) + len(split.val)} images in {len(split.class_names)} classes "
+        f"({', '.join(split.class_names)}): {len(split.train)} for training, {len(split.val)} for validation"
+    )

@@ -1,0 +1,225 @@
+"""Process setup and teardown, and the few collectives the training loop needs.
+
+Distributed state is a value: `setup_*` returns a frozen `DistContext` that the rest of the
+code receives as an argument. Every reduction here is plain arithmetic when no process group
+exists, so the single-process path runs the same code as DDP.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from utils import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    distributed: bool  # a process group exists (also true for a torchrun job of one process)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def print0(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (respects taskset and cgroup cpusets, unlike os.cpu_count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def resolve_device(spec: str | None, local_rank: int) -> torch.device:
+    """`None` means CUDA when present, else the CPU; a bare `cuda` means this rank's own GPU."""
+    if spec is None:
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(spec)
+    except RuntimeError as e:
+        raise UserError(f"--device {spec!r} is not a device: {e}") from None
+    if device.type != "cuda":
+        return device
+    available = torch.cuda.device_count()
+    if available == 0:
+        raise UserError(f"--device {spec} asked for CUDA, but no GPU is visible")
+    index = local_rank if device.index is None else device.index
+    if index >= available:
+        raise UserError(
+            f"this process wants GPU {index}, but only {available} GPU(s) are visible: "
+            f"start at most {available} process(es) per machine"
+        )
+    return torch.device("cuda", index)
+
+
+def _configure_threads(device: torch.device, local_world_size: int) -> None:
+    """Give each CPU process its share of the cores.
+
+    N processes that each start as many math threads as the machine has cores slow each
+    other down several-fold. torchrun exports OMP_NUM_THREADS=1 for multi-process jobs;
+    mp.spawn exports nothing, so we divide the cores here. An explicit OMP_NUM_THREADS wins.
+    """
+    if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, cpu_count() // local_world_size)
+    torch.set_num_threads(threads)
+
+
+def setup_single(device_spec: str | None) -> DistContext:
+    device = resolve_device(device_spec, 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _configure_threads(device, 1)
+    return DistContext(0, 0, 1, 1, device, distributed=False)
+
+
+def setup_process_group(
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    local_world_size: int,
+    device_spec: str | None,
+    backend: str | None,
+    timeout_s: float,
+) -> DistContext:
+    """Join the process group described by MASTER_ADDR/MASTER_PORT and the given ranks."""
+    device = resolve_device(device_spec, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    _configure_threads(device, local_world_size)
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        # Binding the group to this rank's GPU lets NCCL connect eagerly and avoids
+        # "devices used by this process are currently unknown" warnings in barrier().
+        device_id=device if backend == "nccl" else None,
+    )
+    ctx = DistContext(rank, local_rank, world_size, local_world_size, device, distributed=True)
+    ctx.print0(
+        f"process group: backend={backend}, world_size={world_size}, "
+        f"master={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}, "
+        f"threads per process={torch.get_num_threads()}"
+    )
+    return ctx
+
+
+def env_ranks(local_rank_arg: int | None = None) -> tuple[int, int, int, int] | None:
+    """(rank, local_rank, world_size, local_world_size) from torchrun or SLURM, else None.
+
+    torchrun and `torch.distributed.launch --use_env` export RANK/LOCAL_RANK/WORLD_SIZE; the
+    legacy launcher without --use_env passes --local-rank instead of LOCAL_RANK. Under `srun`
+    one task is one process, described by SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; the rendezvous
+    address must then come from MASTER_ADDR/MASTER_PORT (see the README's sbatch script).
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world_size = int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
+        local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+        return int(env["RANK"]), local_rank, world_size, local_world_size
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+        if missing:
+            raise UserError(
+                f"running under SLURM but {' and '.join(missing)} is not set: export the first "
+                "node's address and a free port in the sbatch script (see README, SLURM)"
+            )
+        world_size = int(env["SLURM_NTASKS"])
+        nodes = int(env.get("SLURM_NNODES", "1"))
+        local_world_size = int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0] or 0) or max(
+            1, world_size // nodes
+        )
+        return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), world_size, local_world_size
+    return None
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Sum over ranks, in place; the identity without a process group."""
+    if ctx.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_min(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    if ctx.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return tensor
+
+
+def broadcast_object(obj: Any, ctx: DistContext) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not ctx.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
+    if not ctx.distributed:
+        return [obj]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_buffers(model: torch.nn.Module, ctx: DistContext) -> None:
+    """Copy rank 0's buffers (BatchNorm running statistics) to every rank.
+
+    Without SyncBN each rank's running statistics drift apart during an epoch. Evaluating
+    with rank 0's buffers everywhere makes the reported accuracy that of the checkpoint
+    rank 0 saves, whatever the world size.
+    """
+    if not ctx.distributed:
+        return
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
+class ShardSampler(Sampler[int]):
+    """Rank r takes indices r, r + N, r + 2N, ... with no padding.
+
+    DistributedSampler pads the last round with duplicates so every rank gets the same
+    count; counted in an evaluation those duplicates shift the accuracy with the world size.
+    Uneven shards are fine here because evaluation runs no collective per batch.
+    """
+
+    def __init__(self, length: int, ctx: DistContext):
+        self.indices = range(ctx.rank, length, ctx.world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)

@@ -1,0 +1,356 @@
+"""The training run every launcher shares: data, model, loop, exact evaluation, outputs.
+
+`run(plan, ctx)` is the only entry point: it behaves the same in one process and in N, the
+differences being confined to `DistContext` and the reductions in distributed_utils.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+from model import (
+    convert_sync_batchnorm,
+    create_model,
+    freeze_backbone,
+    load_weights,
+    set_train_mode,
+)
+from multi_train_utils.checkpoint import copy_atomic, load_checkpoint, save_atomic
+from multi_train_utils.config import Plan, split_summary
+from multi_train_utils.distributed_utils import (
+    DistContext,
+    ShardSampler,
+    all_reduce_min,
+    all_reduce_sum,
+    broadcast_buffers,
+    broadcast_object,
+    cpu_count,
+    gather_objects,
+)
+from my_dataset import EpochSampler, MyDataSet, build_transform, eval_resize
+from utils import DataSplit, TrainingDiverged, UserError, find_unreadable, split_samples
+
+# Steps between looks at the loss on the host: each look is one small collective and one
+# host sync, so the loop never waits on the device at every step.
+CHECK_EVERY = 20
+NO_BAD_STEP = 2**62
+
+
+def readable_split(plan: Plan, ctx: DistContext) -> DataSplit:
+    """Leave out files that do not decode, then split. Each rank decodes 1/world_size of the
+    files and the ranks swap their findings, so every rank ends with the same split."""
+    paths = [p for p, _ in plan.samples]
+    mine = find_unreadable(paths[ctx.rank :: ctx.world_size], threads=torch.get_num_threads())
+    unreadable = dict(pair for part in gather_objects(mine, ctx) for pair in part)
+    for path, reason in sorted(unreadable.items()):
+        ctx.print0(f"warning: leaving out {path}: {reason}")
+    samples = [s for s in plan.samples if s[0] not in unreadable]
+    present = {label for _, label in samples}
+    empty = [name for i, name in enumerate(plan.class_names) if i not in present]
+    if empty:
+        raise UserError(f"class {empty[0]!r} has no readable image")
+    return split_samples(samples, plan.class_names, plan.args.val_rate, plan.args.seed)
+
+
+def prepare_output_dir(plan: Plan, ctx: DistContext) -> Path:
+    """Rank 0 picks and creates the run folder and proves it can write there; every rank
+    learns the outcome, so an unwritable folder stops all of them before training."""
+    path, error = None, None
+    if ctx.is_main:
+        path = plan.args.output_dir or f"runs/{plan.launcher}-{time.strftime('%Y%m%d-%H%M%S')}"
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            probe = Path(path) / ".write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            error = f"cannot write to the output folder {path!r}: {e.strerror or e}"
+    path, error = broadcast_object((path, error), ctx)
+    if error:
+        raise UserError(error)
+    return Path(path)
+
+
+def default_workers(ctx: DistContext) -> int:
+    # Leave one core of this process's share to the training loop itself.
+    return max(1, min(8, cpu_count() // ctx.local_world_size - 1))
+
+
+def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataLoader, DataLoader]:
+    args = plan.args
+    workers = default_workers(ctx) if args.workers is None else args.workers
+    common = dict(
+        batch_size=args.batch_size,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=ctx.device.type == "cuda",
+    )
+    train_set = MyDataSet(split.train, build_transform(args.img_size, train=True), args.img_size, args.seed)
+    val_set = MyDataSet(split.val, build_transform(args.img_size, train=False), eval_resize(args.img_size))
+    # Every process, the single one included, draws from a DistributedSampler: one code path.
+    train_sampler = EpochSampler(
+        DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
+    )
+    # A last batch of one image breaks BatchNorm in training mode; drop the remainder instead
+    # (the shuffle changes which images fall in it every epoch).
+    drop_last = len(train_sampler) > args.batch_size
+    train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=drop_last, **common)
+    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), ctx), **common)
+    return train_loader, val_loader
+
+
+def build_optimizer(model: nn.Module, args: Any, lr: float) -> torch.optim.Optimizer:
+    # Weight decay on BatchNorm scales and biases only fights the normalisation.
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim > 1 else no_decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, nesterov=args.momentum > 0)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, args: Any, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then cosine decay from the peak to `lrf * peak`, stepped every batch."""
+    total = max(1, args.epochs * steps_per_epoch)
+    warmup = min(total - 1, round(args.warmup_epochs * steps_per_epoch))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return args.lrf + (1 - args.lrf) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train_one_epoch(
+    model: nn.Module,
+    loader: DataLoader,
+    criterion: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler,
+    ctx: DistContext,
+    epoch: int,
+    epochs: int,
+) -> dict[str, float]:
+    """One pass over this rank's shard. Loss and accuracy stay on the device as running sums
+    and are all-reduced once at the end; the host looks at them every CHECK_EVERY steps."""
+    set_train_mode(model)
+    device = ctx.device
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, images
+    first_bad = torch.full((), NO_BAD_STEP, dtype=torch.int64, device=device)
+    # Bars on rank 0 only, and only on a terminal (disable=None): logs stay free of them.
+    bar = tqdm(loader, desc=f"epoch {epoch}/{epochs}", disable=None if ctx.is_main else True, leave=False,
+               dynamic_ncols=True)
+    steps = len(loader)
+    for step, (images, labels) in enumerate(bar):
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        logits = model(images)
+        loss = criterion(logits, labels)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+
+        loss = loss.detach()
+        n = labels.numel()
+        sums += torch.stack([loss.double() * n, (logits.argmax(1) == labels).sum().double(), sums.new_tensor(n)])
+        # Remember the first non-finite step on the device; no sync here.
+        first_bad = torch.where(~torch.isfinite(loss) & (first_bad == NO_BAD_STEP), step + 1, first_bad)
+        if (step + 1) % CHECK_EVERY == 0 or step + 1 == steps:
+            bad = int(all_reduce_min(first_bad.clone(), ctx))
+            if bad != NO_BAD_STEP:
+                raise TrainingDiverged(
+                    f"the loss became NaN or infinite at epoch {epoch}, step {bad} of {steps}: "
+                    "lower --lr, or check the data"
+                )
+            if ctx.is_main:
+                loss_sum, correct, count = sums.tolist()
+                bar.set_postfix(loss=f"{loss_sum / count:.4f}", acc=f"{correct / count:.3f}",
+                                lr=f"{optimizer.param_groups[0]['lr']:.2e}", refresh=False)
+    bar.close()
+    loss_sum, correct, count = all_reduce_sum(sums, ctx).tolist()
+    return {"train_loss": loss_sum / count, "train_acc": correct / count, "train_images": int(count)}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, ctx: DistContext) -> dict[str, float]:
+    """Exact accuracy and mean loss over the whole validation split: each rank sees a
+    disjoint shard without padding, so every image counts exactly once."""
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)
+    criterion = nn.CrossEntropyLoss(reduction="sum")
+    for images, labels in loader:
+        images = images.to(ctx.device, non_blocking=True)
+        labels = labels.to(ctx.device, non_blocking=True)
+        logits = model(images)
+        sums += torch.stack([
+            criterion(logits.float(), labels).double(),
+            (logits.argmax(1) == labels).sum().double(),
+            sums.new_tensor(labels.numel()),
+        ])
+    loss_sum, correct, count = all_reduce_sum(sums, ctx).tolist()
+    return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_correct": int(correct), "val_total": int(count)}
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def restore_metrics(path: Path, completed_epochs: int) -> None:
+    """Keep only the epochs the checkpoint includes: a run killed after writing metrics for
+    epoch k+1 but before its checkpoint must not log epoch k+1 twice once resumed."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["epoch"] <= completed_epochs]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def resolve_resume(plan: Plan, output_dir: Path, ctx: DistContext) -> str | None:
+    resume = plan.args.resume
+    if resume != "auto":
+        return resume
+    # Rank 0 decides, so every rank makes the same choice even if a file appears meanwhile.
+    found = (output_dir / "last.pth").is_file() if ctx.is_main else None
+    return str(output_dir / "last.pth") if broadcast_object(found, ctx) else None
+
+
+def run(plan: Plan, ctx: DistContext) -> None:
+    args = plan.args
+    split = readable_split(plan, ctx)
+    output_dir = prepare_output_dir(plan, ctx)
+    resume_path = resolve_resume(plan, output_dir, ctx)
+    global_batch = args.batch_size * ctx.world_size
+    lr = args.lr * global_batch / 256
+    ctx.print0(f"config: {vars(args)}")
+    ctx.print0(split_summary(split))
+    ctx.print0(
+        f"{plan.launcher}: {ctx.world_size} process(es) on {ctx.device.type}, global batch {global_batch}, "
+        f"peak lr {lr:.4g} (= {args.lr} x {global_batch}/256), output in {output_dir}"
+    )
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank and in every rerun
+    model = create_model(len(split.class_names))
+    if args.weights:
+        load_weights(model, args.weights, ctx.print0)
+    if args.freeze_layers:
+        freeze_backbone(model)
+    checkpoint = load_checkpoint(resume_path) if resume_path else None
+    if checkpoint is not None:
+        if checkpoint["class_names"] != split.class_names:
+            raise UserError(
+                f"{resume_path} was trained on classes {checkpoint['class_names']}, "
+                f"but {args.data_path} has {split.class_names}"
+            )
+        model.load_state_dict(checkpoint["model"])
+    model.to(ctx.device)
+    train_loader, val_loader = build_loaders(split, plan, ctx)
+
+    if args.eval_only:
+        result = evaluate(model, val_loader, ctx)
+        source = resume_path or args.weights
+        ctx.print0(f"eval {source}: acc {result['val_acc']:.4f} ({result['val_correct']}/{result['val_total']}), "
+                   f"loss {result['val_loss']:.4f}")
+        if ctx.is_main:
+            write_json(output_dir / "eval.json", {**result, "weights": source, "world_size": ctx.world_size})
+        return
+
+    if args.sync_bn and ctx.distributed:
+        model = convert_sync_batchnorm(model, ctx.device)
+    model_without_ddp = model
+    if ctx.distributed:
+        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+
+    optimizer = build_optimizer(model_without_ddp, args, lr)
+    scheduler = build_scheduler(optimizer, args, len(train_loader))
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=False)
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    start_epoch, best_acc = 0, -1.0
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        scaler.load_state_dict(checkpoint["scaler"])
+        start_epoch, best_acc = checkpoint["epoch"], checkpoint["best_acc"]
+        ctx.print0(f"resumed from {resume_path}: {start_epoch} epoch(s) done, best val_acc {best_acc:.4f}")
+        del checkpoint
+
+    writer = None
+    if ctx.is_main:
+        write_json(output_dir / "config.json", {**vars(args), "launcher": plan.launcher, "world_size": ctx.world_size,
+                                                "torch": torch.__version__})
+        write_json(output_dir / "class_indices.json", dict(enumerate(split.class_names)))
+        restore_metrics(output_dir / "metrics.jsonl", start_epoch)
+        writer = SummaryWriter(log_dir=str(output_dir))
+    try:
+        for epoch in range(start_epoch + 1, args.epochs + 1):
+            train_loader.sampler.set_epoch(epoch)
+            started = time.perf_counter()
+            train = train_one_epoch(model, train_loader, criterion, optimizer, scheduler, scaler, ctx, epoch, args.epochs)
+            train_seconds = time.perf_counter() - started
+            broadcast_buffers(model_without_ddp, ctx)
+            val = evaluate(model_without_ddp, val_loader, ctx)
+            record = {
+                "epoch": epoch,
+                "train_loss": train["train_loss"],
+                "train_acc": train["train_acc"],
+                "train_total": len(split.train),
+                **val,
+                "lr": optimizer.param_groups[0]["lr"],
+                "epoch_seconds": train_seconds,
+                "eval_seconds": time.perf_counter() - started - train_seconds,
+                "train_images_per_sec": train["train_images"] / train_seconds,
+                "world_size": ctx.world_size,
+                "global_batch_size": global_batch,
+            }
+            is_best = val["val_acc"] > best_acc
+            best_acc = max(best_acc, val["val_acc"])
+            if ctx.is_main:
+                save_atomic(
+                    {
+                        "model": model_without_ddp.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "scaler": scaler.state_dict(),
+                        "epoch": epoch,
+                        "best_acc": best_acc,
+                        "args": vars(args),
+                        "class_names": split.class_names,
+                        "world_size": ctx.world_size,
+                    },
+                    output_dir / "last.pth",
+                )
+                if is_best:
+                    copy_atomic(output_dir / "last.pth", output_dir / "best.pth")
+                with open(output_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                for key in ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "train_images_per_sec"):
+                    writer.add_scalar(key, record[key], epoch)
+                writer.flush()
+                print(
+                    f"epoch {epoch}/{args.epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "
+                    f"val loss {val['val_loss']:.4f} acc {val['val_acc']:.4f} ({val['val_correct']}/{val['val_total']})"
+                    f" | {record['train_images_per_sec']:.1f} img/s, {train_seconds:.1f}s" + (" *best*" if is_best else ""),
+                    flush=True,
+                )
+        ctx.print0(f"done: best val_acc {best_acc:.4f}; checkpoints and logs in {output_dir}")
+    finally:
+        if writer is not None:
+            writer.close()
+

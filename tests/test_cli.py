@@ -1,0 +1,164 @@
+"""The shared command line and the user mistakes it must turn into one `error:` line and exit 2."""
+from __future__ import annotations
+
+import http.server
+import shutil
+import sys
+import tarfile
+import threading
+
+import pytest
+import torch
+from conftest import SAMPLE, copy_sample, launcher_cmd, run_cli
+
+import train_multi_gpu_using_spawn
+import train_single_gpu
+import utils
+from multi_train_utils.config import get_args_parser
+
+
+def parse(*argv: str):
+    return get_args_parser("test").parse_args(list(argv))
+
+
+def test_boolean_flags_are_real_switches():
+    assert parse().sync_bn is False
+    assert parse("--sync-bn").sync_bn is True
+    assert parse("--syncBN").sync_bn is True
+    assert parse("--syncBN", "False").sync_bn is False  # the original scripts' type=bool made this True
+    assert parse("--syncBN", "true").sync_bn is True
+    assert parse("--sync-bn", "--no-sync-bn").sync_bn is False
+    assert parse("--no-freeze-layers").freeze_layers is False
+    assert parse("--freeze-layers", "--epochs", "3").freeze_layers is True
+    with pytest.raises(SystemExit):
+        parse("--syncBN", "maybe")
+
+
+def test_aliases_and_defaults():
+    args = parse("--num_classes", "5")
+    assert args.num_classes == 5
+    assert args.data_path == "dataset/flower_photos" and args.val_rate == 0.2 and args.img_size == 224
+
+
+def test_every_launcher_documents_the_same_options():
+    scripts = {"single": "train_single_gpu.py", "launch": "train_multi_gpu_using_launch.py",
+               "spawn": "train_multi_gpu_using_spawn.py"}
+    for launcher, script in scripts.items():
+        text = run_cli([sys.executable, script, "--help"]).stdout
+        for option in ("--data-path", "--download", "--val-rate", "--num-classes", "--epochs", "--batch-size",
+                       "--lr", "--lrf", "--momentum", "--weight-decay", "--warmup-epochs", "--label-smoothing",
+                       "--weights", "--freeze-layers", "--sync-bn", "--img-size", "--workers", "--seed",
+                       "--output-dir", "--resume", "--eval-only", "--backend"):
+            assert option in text, (launcher, option)
+        assert ("--device" in text) == (launcher == "single")
+        assert ("--world-size" in text) == (launcher == "spawn")
+
+
+def user_error(main, argv: list[str], capsys) -> str:
+    """Run a launcher's main() in this process; return its one error line."""
+    old = sys.argv
+    sys.argv = ["prog", *argv]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+    finally:
+        sys.argv = old
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.fixture
+def broken_files(tmp_path):
+    (tmp_path / "notes.pth").write_text("not a checkpoint")
+    torch.save({"step": 3}, tmp_path / "no_tensors.pth")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data-path", "/nonexistent/flowers"], "does not exist"),
+        (["--data-path", str(SAMPLE), "--num-classes", "3"], "--num-classes is 3"),
+        (["--data-path", str(SAMPLE), "--weights", "/nonexistent.pth"], "does not exist"),
+        (["--data-path", str(SAMPLE), "--weights", "{tmp}/notes.pth"], "not a PyTorch checkpoint"),
+        (["--data-path", str(SAMPLE), "--weights", "{tmp}/no_tensors.pth"], "no state dict"),
+        (["--data-path", str(SAMPLE), "--resume", "{tmp}/no_tensors.pth"], "not a training checkpoint"),
+        (["--data-path", str(SAMPLE), "--val-rate", "0"], "--val-rate"),
+        (["--data-path", str(SAMPLE), "--val-rate", "1.5"], "--val-rate"),
+        (["--data-path", str(SAMPLE), "--eval-only"], "--eval-only needs"),
+        (["--data-path", str(SAMPLE), "--resume", "auto"], "needs --output-dir"),
+        (["--data-path", str(SAMPLE), "--device", "cuda"] if not torch.cuda.is_available() else
+         ["--data-path", str(SAMPLE), "--device", f"cuda:{torch.cuda.device_count()}"], "GPU"),
+    ],
+)
+def test_user_mistakes_single(argv, message, broken_files, capsys):
+    argv = [a.replace("{tmp}", str(broken_files)) for a in argv]
+    assert message in user_error(train_single_gpu.main, argv, capsys)
+
+
+def test_no_images_and_single_class(tmp_path, capsys):
+    (tmp_path / "empty" / "a").mkdir(parents=True)
+    (tmp_path / "empty" / "b").mkdir(parents=True)
+    assert "no images" in user_error(train_single_gpu.main, ["--data-path", str(tmp_path / "empty")], capsys)
+    one = copy_sample(tmp_path / "one", classes=["roses"], per_class=3)
+    assert "only one class" in user_error(train_single_gpu.main, ["--data-path", str(one)], capsys)
+
+
+def test_unwritable_output_dir(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(blocker / "run")], capsys)
+    assert "cannot write to the output folder" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_spawn_without_gpus_needs_world_size(capsys):
+    line = user_error(train_multi_gpu_using_spawn.main, ["--data-path", str(SAMPLE)], capsys)
+    assert "--world-size" in line
+
+
+def test_under_torchrun_every_worker_reports_and_exits_2(tmp_path):
+    result = run_cli(launcher_cmd("launch", 2) + ["--data-path", str(tmp_path / "missing")], timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and all("does not exist" in e for e in errors), result.stderr
+    assert "exitcode  : 2" in result.stderr or "exit code 2" in result.stderr.lower() or "exitcode: 2" in result.stderr
+
+
+def test_download_offline_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    # Port 9 on loopback: nothing listens, the connection is refused at once.
+    monkeypatch.setattr(utils, "FLOWERS_URL", "http://127.0.0.1:9/flower_photos.tgz")
+    line = user_error(train_single_gpu.main, ["--data-path", str(tmp_path / "flower_photos"), "--download"], capsys)
+    assert "could not download flower_photos" in line
+
+
+def test_download_verifies_and_unpacks(tmp_path, monkeypatch):
+    """--download against a real HTTP server on loopback serving a small flower_photos.tgz."""
+    served = tmp_path / "served"
+    copy_sample(served / "flower_photos", classes=["daisy", "tulips"], per_class=2)
+    shutil.copy(SAMPLE / "LICENSE.txt", served / "flower_photos" / "LICENSE.txt")
+    with tarfile.open(served / "flower_photos.tgz", "w:gz") as tar:
+        tar.add(served / "flower_photos", arcname="flower_photos")
+
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(served))  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(utils, "FLOWERS_URL", f"http://127.0.0.1:{server.server_port}/flower_photos.tgz")
+        monkeypatch.setattr(utils, "FLOWERS_SHA256", "0" * 64)
+        with pytest.raises(utils.UserError, match="SHA-256"):
+            utils.download_flower_photos(str(tmp_path / "bad" / "flowers"), log=lambda _: None)
+        assert not (tmp_path / "bad" / "flowers").exists()
+
+        monkeypatch.setattr(utils, "FLOWERS_SHA256", utils._sha256(served / "flower_photos.tgz"))
+        target = tmp_path / "datasets" / "my_flowers"
+        utils.download_flower_photos(str(target), log=lambda _: None)
+    finally:
+        server.shutdown()
+    names, samples = utils.list_images(str(target))
+    assert names == ["daisy", "tulips"] and len(samples) == 4
+    assert (target / "LICENSE.txt").exists() and not (target.parent / "flower_photos.tgz").exists()

@@ -1,0 +1,142 @@
+"""Image decoding, folder scanning and the split, on real files."""
+from __future__ import annotations
+
+import random
+import shutil
+
+import numpy as np
+import pytest
+from conftest import SAMPLE, copy_sample, metrics, ok, train
+from PIL import Image
+
+from utils import UserError, find_unreadable, list_images, load_rgb, split_samples
+
+A_JPEG = sorted((SAMPLE / "daisy").glob("*.jpg"))[0]
+
+
+def write_odd_images(folder) -> dict[str, str]:
+    """One file of each awkward kind, made from a real photo; name -> what it is."""
+    folder.mkdir(parents=True, exist_ok=True)
+    photo = Image.open(A_JPEG).convert("RGB")
+    photo.convert("L").save(folder / "gray.png")
+    photo.convert("CMYK").save(folder / "cmyk.jpg")
+    rgba = photo.convert("RGBA")
+    rgba.putalpha(128)
+    rgba.save(folder / "alpha.png")
+    photo.convert("P", palette=Image.Palette.ADAPTIVE).save(folder / "palette.gif")
+    wide = (np.asarray(photo.convert("L"), dtype=np.uint16) * 257).astype(np.uint16)
+    Image.fromarray(wide).save(folder / "sixteen_bit.png")
+    photo.save(folder / "UPPER.JPG")
+    photo.save(folder / "lossless.webp")
+    photo.save(folder / "plain.bmp")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    photo.save(folder / "rotated.jpeg", exif=exif)
+    return {
+        "gray.png": "L", "cmyk.jpg": "CMYK", "alpha.png": "RGBA", "palette.gif": "P",
+        "sixteen_bit.png": "I;16", "UPPER.JPG": "RGB", "lossless.webp": "RGB", "plain.bmp": "RGB",
+        "rotated.jpeg": "RGB",
+    }
+
+
+def write_broken_files(folder) -> list[str]:
+    """Files with image names that do not decode; their names."""
+    data = A_JPEG.read_bytes()
+    (folder / "truncated.jpg").write_bytes(data[: len(data) // 2])
+    (folder / "not_an_image.jpg").write_text("this is text, not a JPEG")
+    (folder / "empty.png").write_bytes(b"")
+    return ["truncated.jpg", "not_an_image.jpg", "empty.png"]
+
+
+def test_every_mode_becomes_rgb(tmp_path):
+    modes = write_odd_images(tmp_path)
+    for name, mode in modes.items():
+        assert Image.open(tmp_path / name).mode == mode, name  # the file really is that kind
+        img = load_rgb(str(tmp_path / name))
+        assert img.mode == "RGB", name
+
+
+def test_sixteen_bit_keeps_its_tones(tmp_path):
+    write_odd_images(tmp_path)
+    gray8 = np.asarray(load_rgb(str(tmp_path / "gray.png")))
+    gray16 = np.asarray(load_rgb(str(tmp_path / "sixteen_bit.png")))
+    # convert("RGB") on a 16-bit image would clip almost everything to 255.
+    assert np.abs(gray8.astype(int) - gray16.astype(int)).max() <= 1
+
+
+def test_exif_rotation_is_applied(tmp_path):
+    write_odd_images(tmp_path)
+    w, h = Image.open(A_JPEG).size
+    assert load_rgb(str(tmp_path / "rotated.jpeg")).size == (h, w)
+
+
+def test_draft_decoding_keeps_at_least_the_asked_size(tmp_path):
+    big = Image.open(A_JPEG).convert("RGB").resize((1600, 1200))
+    big.save(tmp_path / "big.jpg")
+    img = load_rgb(str(tmp_path / "big.jpg"), min_size=224)
+    assert min(img.size) >= 224 and img.size[0] < 1600  # decoded at reduced scale
+
+
+def test_unreadable_files_are_found_by_path(tmp_path):
+    write_odd_images(tmp_path)
+    broken = write_broken_files(tmp_path)
+    paths = sorted(str(p) for p in tmp_path.iterdir())
+    bad = dict(find_unreadable(paths, threads=2))
+    assert sorted(p.rsplit("/", 1)[1] for p in bad) == sorted(broken)
+
+
+def test_decompression_bomb_is_unreadable(tmp_path, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # the photo is far above 2x this
+    assert find_unreadable([str(A_JPEG)], threads=1)[0][1].startswith("DecompressionBombError")
+
+
+def test_listing_skips_hidden_and_non_image_files(tmp_path):
+    copy_sample(tmp_path, classes=["daisy", "roses"], per_class=3)
+    (tmp_path / "daisy" / ".hidden.jpg").write_bytes(A_JPEG.read_bytes())
+    (tmp_path / "daisy" / "notes.txt").write_text("not an image")
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "x.jpg").write_bytes(A_JPEG.read_bytes())
+    (tmp_path / "README.md").write_text("top-level files are not classes")
+    (tmp_path / "empty_class").mkdir()
+    names, samples = list_images(str(tmp_path))
+    assert names == ["daisy", "roses"]
+    assert len(samples) == 6 and {label for _, label in samples} == {0, 1}
+
+
+def test_split_is_stratified_deterministic_and_leaves_global_random_alone():
+    names, samples = list_images(str(SAMPLE))
+    random.seed(123)
+    before = random.random()
+    random.seed(123)
+    a = split_samples(samples, names, 0.2, seed=7)
+    assert random.random() == before
+    b = split_samples(list(reversed(samples)), names, 0.2, seed=7)
+    c = split_samples(samples, names, 0.2, seed=8)
+    assert a == b and a != c
+    assert len(a.val) == 25 and len(a.train) == 95
+    for label in range(5):  # 24 images per class: 5 held out from each
+        assert sum(1 for _, lab in a.val if lab == label) == 5
+    assert not {p for p, _ in a.val} & {p for p, _ in a.train}
+
+
+def test_num_classes_mismatch_and_single_class(tmp_path):
+    with pytest.raises(UserError, match="--num-classes is 4"):
+        list_images(str(SAMPLE), num_classes=4)
+    copy_sample(tmp_path, classes=["tulips"], per_class=2)
+    with pytest.raises(UserError, match="only one class"):
+        list_images(str(tmp_path))
+
+
+def test_training_on_a_folder_of_odd_and_broken_images(tmp_path):
+    data = copy_sample(tmp_path / "data", classes=["daisy", "roses"], per_class=6)
+    odd = write_odd_images(data / "daisy")
+    broken = write_broken_files(data / "roses")
+    shutil.copy(A_JPEG, data / "roses" / ".hidden.jpg")
+    (data / "roses" / "notes.txt").write_text("ignored")
+    out = tmp_path / "run"
+    result = ok(train("single", out, "--epochs", "1", data=data))
+    for name in broken:
+        assert f"leaving out {data / 'roses' / name}" in result.stdout
+    record = metrics(out)[0]
+    assert record["train_total"] + record["val_total"] == 12 + len(odd)
+

@@ -1,0 +1,196 @@
+"""Real process groups on CPU (gloo): torchrun and mp.spawn subprocesses, and DDP exactness."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import FAST, REPO, SAMPLE, launcher_cmd, metrics, ok, train
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import convert_sync_batchnorm, create_model
+from multi_train_utils.checkpoint import REQUIRED_KEYS, load_checkpoint
+from multi_train_utils.distributed_utils import (
+    DistContext,
+    ShardSampler,
+    find_free_port,
+    setup_process_group,
+    teardown,
+)
+from multi_train_utils.train_eval_utils import (
+    build_optimizer,
+    build_scheduler,
+    train_one_epoch,
+)
+from my_dataset import MyDataSet, build_transform
+from utils import list_images
+
+METRIC_KEYS = {"epoch", "train_loss", "train_total", "val_loss", "val_acc", "val_correct", "val_total", "lr",
+               "epoch_seconds", "train_images_per_sec", "world_size", "global_batch_size"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One short training run per launcher, shared by the tests below."""
+    root = tmp_path_factory.mktemp("runs")
+    results = {}
+    for launcher, nproc in (("single", 1), ("launch", 2), ("spawn", 2)):
+        out = root / launcher
+        results[launcher] = (out, ok(train(launcher, out, "--epochs", "2", nproc=nproc)))
+    return results
+
+
+@pytest.mark.parametrize("launcher, world_size", [("single", 1), ("launch", 2), ("spawn", 2)])
+def test_end_to_end(runs, launcher, world_size):
+    out, result = runs[launcher]
+    records = metrics(out)
+    assert [r["epoch"] for r in records] == [1, 2]
+    for r in records:
+        assert METRIC_KEYS <= r.keys()
+        assert r["world_size"] == world_size and r["global_batch_size"] == 8 * world_size
+        assert r["train_total"] == 95 and r["val_total"] == 25  # each image once, whatever the world size
+        assert 0 <= r["val_acc"] <= 1 and r["val_correct"] == round(r["val_acc"] * 25)
+    ckpt = load_checkpoint(out / "last.pth")
+    assert set(REQUIRED_KEYS) <= ckpt.keys() and ckpt["epoch"] == 2
+    assert not any(k.startswith("module.") for k in ckpt["model"])  # saved without the DDP wrapper
+    assert ckpt["class_names"] == ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+    assert ckpt["args"]["epochs"] == 2
+    assert (out / "best.pth").exists()
+    assert json.loads((out / "class_indices.json").read_text())["0"] == "daisy"
+    assert json.loads((out / "config.json").read_text())["world_size"] == world_size
+    assert list(out.glob("events.out.tfevents.*"))
+    # Rank 0 alone prints: one summary line per epoch, not one per process.
+    assert result.stdout.count("epoch 2/2: train loss") == 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_evaluation_is_exact_on_any_world_size(runs, world_size, tmp_path):
+    """The DDP run's last checkpoint, evaluated by 1, 2 or 3 processes over 25 validation
+    images (which neither 2 nor 3 divides), gives exactly what the run itself reported."""
+    out, _ = runs["launch"]
+    launcher = {1: "single", 2: "launch", 3: "spawn"}[world_size]
+    ok(train(launcher, tmp_path, "--eval-only", "--resume", str(out / "last.pth"), nproc=world_size))
+    result = json.loads((tmp_path / "eval.json").read_text())
+    reported = metrics(out)[-1]
+    assert result["val_total"] == 25
+    assert result["val_correct"] == reported["val_correct"]
+    assert result["val_loss"] == pytest.approx(reported["val_loss"], rel=1e-5)
+
+
+def test_shard_sampler_covers_each_index_once():
+    for n in range(0, 12):
+        for world in (1, 2, 3, 5):
+            shards = [list(ShardSampler(n, DistContext(r, r, world, world, torch.device("cpu"), True)))
+                      for r in range(world)]
+            assert sorted(sum(shards, [])) == list(range(n))
+
+
+def _real_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    names, samples = list_images(str(SAMPLE))
+    picked = samples[:: len(samples) // size][:size]
+    ds = MyDataSet(picked, build_transform(32, train=False), 32)
+    images, labels = zip(*(ds[i] for i in range(size)))
+    return torch.stack(images).double(), torch.tensor(labels)
+
+
+def _step(model, ctx, images, labels, model_without_ddp=None):
+    args = argparse.Namespace(weight_decay=1e-4, momentum=0.9, epochs=1, warmup_epochs=0, lrf=1.0)
+    optimizer = build_optimizer(model_without_ddp or model, args, lr=0.05)
+    scheduler = build_scheduler(optimizer, args, steps_per_epoch=1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    train_one_epoch(model, [(images, labels)], torch.nn.CrossEntropyLoss(label_smoothing=0.1),
+                    optimizer, scheduler, scaler, ctx, epoch=1, epochs=1)
+    return {k: v.detach().clone() for k, v in (model_without_ddp or model).state_dict().items()}
+
+
+def _ddp_worker(rank: int, port: int, out_dir: str, per_rank: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ctx = setup_process_group(rank, rank, 2, 2, "cpu", "gloo", 120)
+    try:
+        torch.set_default_dtype(torch.float64)
+        images, labels = _real_batch(2 * per_rank)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        for sync in (True, False):
+            torch.manual_seed(0)
+            model = create_model(5)
+            if sync:
+                model = convert_sync_batchnorm(model, ctx.device)
+            state = _step(DDP(model), ctx, images[mine], labels[mine], model_without_ddp=model)
+            if rank == 0:
+                torch.save(state, os.path.join(out_dir, f"sync_{sync}.pt"))
+    finally:
+        teardown()
+
+
+def test_ddp_with_sync_bn_takes_the_same_step_as_one_process(tmp_path):
+    """Two ranks with batch b and SyncBN end one optimizer step with the parameters (and
+    BatchNorm statistics) of one process with batch 2b; without SyncBN they do not.
+
+    In float64, so the comparison sees the update rule and not rounding: in float32 the first
+    step from random weights, with BatchNorm over 8 values per channel in the last stage,
+    amplifies rounding to about 1e-4 in both runs alike (float64 agrees to 1e-13)."""
+    per_rank = 4
+    mp.spawn(_ddp_worker, args=(find_free_port(), str(tmp_path), per_rank), nprocs=2)
+    images, labels = _real_batch(2 * per_rank)
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        single = _step(create_model(5), DistContext(0, 0, 1, 1, torch.device("cpu"), False), images, labels)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    synced = torch.load(tmp_path / "sync_True.pt")
+    unsynced = torch.load(tmp_path / "sync_False.pt")
+    worst = max((synced[k] - single[k]).abs().max().item() for k in single)
+    assert worst < 1e-5, worst
+    gap = max((unsynced[k] - single[k]).abs().max().item() for k in single)
+    assert gap > 1e-3, "without SyncBN the step should differ; the comparison has no teeth"
+
+
+def test_resume_equals_an_uninterrupted_run_and_the_seed_repeats_it(tmp_path):
+    """Run A trains 4 epochs. Run B is the same command, stopped with Ctrl-C after its first
+    checkpoint and resumed with --resume auto. B's losses equal A's in every epoch: before the
+    stop because the seed repeats the run, after it because resuming is exact."""
+    common = ["--epochs", "4", "--workers", "1", "--img-size", "48"]
+    ok(train("single", tmp_path / "a", *common))
+
+    b = tmp_path / "b"
+    cmd = launcher_cmd("single") + ["--data-path", str(SAMPLE), "--output-dir", str(b), *FAST, *common]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TQDM_DISABLE": "1"})
+    deadline = time.monotonic() + 240
+    while not ((b / "metrics.jsonl").exists() and (b / "metrics.jsonl").read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    stopped_after = len(metrics(b))
+    assert stopped_after < 4, "the run ended before it could be interrupted"
+
+    resumed = ok(train("single", b, *common, "--resume", "auto"))
+    assert f"resumed from {b / 'last.pth'}: {stopped_after} epoch(s) done" in resumed.stdout
+    a_records, b_records = metrics(tmp_path / "a"), metrics(b)
+    assert [r["epoch"] for r in b_records] == [1, 2, 3, 4]
+    for ra, rb in zip(a_records, b_records):
+        for key in ("train_loss", "val_loss", "val_acc", "lr"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["epoch"], key)
+
+
+@pytest.mark.parametrize("launcher, nproc", [("single", 1), ("launch", 2)])
+def test_non_finite_loss_stops_every_rank(tmp_path, launcher, nproc):
+    result = train(launcher, tmp_path, "--epochs", "2", "--lr", "1e20", "--warmup-epochs", "0", nproc=nproc)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: the loss became NaN")]
+    assert len(errors) == nproc and "epoch 1, step" in errors[0], result.stderr[-3000:]
+    assert not (tmp_path / "last.pth").exists()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))

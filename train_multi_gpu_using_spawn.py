@@ -1,0 +1,70 @@
+"""Train ResNet34 with DistributedDataParallel, processes started by torch.multiprocessing.spawn.
+
+    python train_multi_gpu_using_spawn.py --data-path dataset/flower_photos          # one per GPU
+    python train_multi_gpu_using_spawn.py --world-size 2 --data-path data/flower_photos_sample
+
+No launcher needed: this script starts the processes itself, on this machine only, and picks a
+free port on 127.0.0.1 unless MASTER_ADDR/MASTER_PORT are set. On a machine without GPUs,
+--world-size N runs N CPU processes with gloo. See README.md for every option.
+"""
+import os
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+from multi_train_utils.config import Plan, get_args_parser, prepare
+from multi_train_utils.distributed_utils import (
+    find_free_port,
+    setup_process_group,
+    teardown,
+)
+from multi_train_utils.train_eval_utils import run
+from utils import UserError, exit_on_error
+
+# Seconds the surviving processes get to exit by themselves once one has failed, before
+# SIGTERM and then SIGKILL (mp.spawn's own default waits 30 s at each stage).
+GRACE_SECONDS = 5
+
+
+def worker(rank: int, plan: Plan, world_size: int) -> None:
+    with exit_on_error():
+        try:
+            ctx = setup_process_group(rank, rank, world_size, world_size, None, plan.args.backend, plan.args.dist_timeout)
+            run(plan, ctx)
+        finally:
+            teardown()
+
+
+def main() -> None:
+    parser = get_args_parser(__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="number of processes (default: the number of visible GPUs)")
+    args = parser.parse_args()
+    with exit_on_error():
+        gpus = torch.cuda.device_count()
+        world_size = args.world_size or gpus
+        if world_size < 1:
+            raise UserError("no GPU is visible: pass --world-size N to train with N CPU processes (gloo)")
+        if gpus and world_size > gpus:
+            raise UserError(f"--world-size {world_size} is more than the {gpus} visible GPU(s)")
+        plan = prepare(args, launcher="spawn")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(find_free_port(os.environ["MASTER_ADDR"])))
+
+    context = mp.spawn(worker, args=(plan, world_size), nprocs=world_size, join=False)
+    try:
+        while not context.join(grace_period=GRACE_SECONDS):
+            pass
+    except mp.ProcessExitedException as e:
+        # The child printed its own `error:` line; a signal left it no chance to.
+        if e.signal_name:
+            print(f"error: process {e.error_index} was killed by {e.signal_name}", file=sys.stderr)
+        sys.exit(e.exit_code if e.exit_code > 0 else 1)
+    except mp.ProcessRaisedException as e:
+        print(e, file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

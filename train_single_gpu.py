@@ -1,0 +1,24 @@
+"""Train ResNet34 on an image folder in one process, on one GPU or the CPU.
+
+    python train_single_gpu.py --data-path data/flower_photos_sample --epochs 3
+    python train_single_gpu.py --device cuda:1 --data-path dataset/flower_photos --download
+
+See README.md for every option; all three launchers share them.
+"""
+from multi_train_utils.config import get_args_parser, prepare
+from multi_train_utils.distributed_utils import setup_single
+from multi_train_utils.train_eval_utils import run
+from utils import exit_on_error
+
+
+def main() -> None:
+    parser = get_args_parser(__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
+    args = parser.parse_args()
+    with exit_on_error():
+        plan = prepare(args, launcher="single")
+        run(plan, setup_single(args.device))
+
+
+if __name__ == "__main__":
+    main()

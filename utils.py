@@ -1,0 +1,209 @@
+"""Finding, checking, splitting and downloading the image folders; the project's error types."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import os
+import random
+import shutil
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+
+FLOWERS_URL = "https://storage.googleapis.com/download.tensorflow.org/example_images/flower_photos.tgz"
+# From tensorflow/datasets url_checksums/tf_flowers.txt.
+FLOWERS_SHA256 = "4c54ace7911aaffe13a365c34f650e71dd5bf1be0a58b464e5a7183e3e595d9c"
+
+Sample = tuple[str, int]  # (path, class index)
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for: one `error:` line on stderr, exit code 2."""
+
+    exit_code = 2
+
+
+class TrainingDiverged(Exception):
+    """The loss became NaN or infinite: one `error:` line on stderr, exit code 1."""
+
+    exit_code = 1
+
+
+@contextlib.contextmanager
+def exit_on_error() -> Iterator[None]:
+    """Turn our own errors into one `error:` line and an exit code, without a traceback."""
+    try:
+        yield
+    except (UserError, TrainingDiverged) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)  # the shell's code for "ended by SIGINT"
+
+
+def load_rgb(path: str, min_size: int | None = None) -> Image.Image:
+    """Decode any image file into an upright 8-bit RGB picture.
+
+    `min_size` lets the JPEG decoder skip detail we would throw away: it decodes at 1/2, 1/4
+    or 1/8 scale while both sides stay at least `min_size`, which makes large photos several
+    times cheaper to open.
+    """
+    with Image.open(path) as img:
+        if min_size and img.format == "JPEG":
+            img.draft("RGB", (min_size, min_size))
+        img = ImageOps.exif_transpose(img)  # also decodes
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        # 16-bit and 32-bit grayscale: convert("RGB") would clip everything above 255 to white.
+        wide = np.asarray(img, dtype=np.float64)
+        peak = 65535.0 if img.mode.startswith("I;16") else max(float(wide.max()), 1.0)
+        img = Image.fromarray((np.clip(wide / peak, 0, 1) * 255).round().astype(np.uint8), "L")
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        # Transparent pixels often hold black or garbage colour: put them on white.
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        img = Image.alpha_composite(background, rgba)
+    return img.convert("RGB") if img.mode != "RGB" else img
+
+
+def list_images(root: str, num_classes: int | None = None) -> tuple[list[str], list[Sample]]:
+    """Class names (sorted sub-folder names) and every image file below them.
+
+    Hidden files and folders, and files whose extension is not an image's, are skipped
+    quietly; whether an image actually decodes is checked later by `find_unreadable`.
+    """
+    path = Path(root)
+    if not path.is_dir():
+        raise UserError(
+            f"data folder {root!r} does not exist: point --data-path at a folder with one "
+            "sub-folder per class, or add --download to fetch flower_photos"
+        )
+    class_names = sorted(d.name for d in path.iterdir() if d.is_dir() and not d.name.startswith("."))
+    samples: list[Sample] = []
+    for label, name in enumerate(class_names):
+        for dirpath, dirnames, filenames in os.walk(path / name, followlinks=True):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            samples.extend(
+                (os.path.join(dirpath, f), label)
+                for f in sorted(filenames)
+                if not f.startswith(".") and f.lower().endswith(IMG_EXTENSIONS)
+            )
+    if not samples:
+        raise UserError(
+            f"no images found in {root!r}: expected one sub-folder per class holding "
+            f"{', '.join(IMG_EXTENSIONS)} files"
+        )
+    counts = [0] * len(class_names)
+    for _, label in samples:
+        counts[label] += 1
+    class_names = [n for n, c in zip(class_names, counts) if c]  # a folder of no images is no class
+    if len(class_names) < 2:
+        raise UserError(f"found only one class ({class_names[0]!r}) in {root!r}: need at least two")
+    if num_classes is not None and num_classes != len(class_names):
+        raise UserError(
+            f"--num-classes is {num_classes}, but {root!r} has {len(class_names)} classes "
+            f"({', '.join(class_names)}); drop --num-classes to infer it"
+        )
+    relabel = {old: new for new, old in enumerate(i for i, c in enumerate(counts) if c)}
+    return class_names, [(p, relabel[label]) for p, label in samples]
+
+
+def _decode_error(path: str) -> str | None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # EXIF and palette warnings are not our concern here
+            load_rgb(path, min_size=32)
+        return None
+    except Exception as e:  # PIL raises many types: OSError, SyntaxError, DecompressionBombError...
+        return f"{type(e).__name__}: {e}"
+
+
+def find_unreadable(paths: Sequence[str], threads: int) -> list[tuple[str, str]]:
+    """(path, reason) for every file that does not decode. JPEGs are decoded at reduced
+    scale, which still reads the whole stream, so truncated files are caught cheaply."""
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:  # PIL releases the GIL
+        errors = list(pool.map(_decode_error, paths))
+    return [(p, e) for p, e in zip(paths, errors) if e is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSplit:
+    class_names: list[str]
+    train: list[Sample]
+    val: list[Sample]
+
+
+def split_samples(samples: list[Sample], class_names: list[str], val_rate: float, seed: int) -> DataSplit:
+    """Stratified split: each class gives round(n * val_rate) images to validation (at least
+    one when it has two or more). Uses its own generator, so the global random state is
+    untouched, and depends only on (files, val_rate, seed): every rank gets the same split."""
+    rng = random.Random(seed)
+    by_class: list[list[str]] = [[] for _ in class_names]
+    for p, label in samples:
+        by_class[label].append(p)
+    train: list[Sample] = []
+    val: list[Sample] = []
+    for label, paths in enumerate(by_class):
+        paths = sorted(paths)
+        rng.shuffle(paths)
+        n_val = min(len(paths) - 1, max(1, round(len(paths) * val_rate))) if len(paths) > 1 else 0
+        val.extend((p, label) for p in sorted(paths[:n_val]))
+        train.extend((p, label) for p in sorted(paths[n_val:]))
+    if not val:
+        raise UserError(f"--val-rate {val_rate} leaves no validation images; raise it")
+    return DataSplit(class_names, train, val)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def download_flower_photos(data_path: str, log: Callable[[str], None] = print) -> None:
+    """Fetch and unpack flower_photos.tgz into `data_path`, unless it is already there.
+
+    Several processes on one machine may call this at once (torchrun starts them together):
+    a lock file makes one of them download while the others wait and then find the folder.
+    """
+    from torchvision.datasets.utils import download_url, extract_archive
+
+    target = Path(data_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".flower_photos.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_dir():
+            return
+        archive = target.parent / "flower_photos.tgz"
+        if not archive.exists() or _sha256(archive) != FLOWERS_SHA256:
+            log(f"downloading {FLOWERS_URL} to {archive}")
+            try:
+                download_url(FLOWERS_URL, str(target.parent), filename=archive.name)
+            except Exception as e:  # URLError, HTTPError, socket errors: all mean "could not fetch"
+                archive.unlink(missing_ok=True)
+                raise UserError(
+                    f"could not download flower_photos ({type(e).__name__}: {e}); without internet, "
+                    f"fetch {FLOWERS_URL} elsewhere and unpack it into {target}"
+                ) from None
+            if _sha256(archive) != FLOWERS_SHA256:
+                archive.unlink()
+                raise UserError(f"{FLOWERS_URL} arrived corrupted (SHA-256 mismatch); try again")
+        staging = target.parent / ".flower_photos.unpacking"
+        shutil.rmtree(staging, ignore_errors=True)
+        extract_archive(str(archive), str(staging))
+        # The archive holds one folder, flower_photos/; rename so any --data-path works.
+        os.replace(staging / "flower_photos", target)
+        shutil.rmtree(staging, ignore_errors=True)
+        archive.unlink()
+        log(f"unpacked flower_photos into {target}")
