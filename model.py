@@ -1,7 +1,6 @@
 """ResNet34 from torchvision, how to load weights into it, and BatchNorm that syncs on CPU."""
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torchvision.models import ResNet34_Weights, resnet34
 
+from multi_train_utils.checkpoint import why_unloadable
 from utils import UserError
 
 
@@ -27,9 +27,8 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
         raise UserError(f"weights file {path!r} does not exist")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path!r} is not a PyTorch checkpoint or state dict ({first_line})") from None
+    except Exception as e:  # torch.load raises many types for a bad file
+        raise UserError(f"cannot read weights {path!r}: {why_unloadable(e)}") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         obj = obj["model"]  # one of our checkpoints
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):

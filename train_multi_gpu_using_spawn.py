@@ -8,6 +8,7 @@ free port on 127.0.0.1 unless MASTER_ADDR/MASTER_PORT are set. On a machine with
 --world-size N runs N CPU processes with gloo. See README.md for every option.
 """
 import os
+import socket
 import sys
 
 import torch
@@ -15,25 +16,42 @@ import torch.multiprocessing as mp
 
 from multi_train_utils.config import Plan, get_args_parser, prepare
 from multi_train_utils.distributed_utils import (
-    find_free_port,
+    host_store,
     setup_process_group,
     teardown,
 )
 from multi_train_utils.train_eval_utils import run
 from utils import UserError, exit_on_error
 
-# Seconds the surviving processes get to exit by themselves once one has failed, before
-# SIGTERM and then SIGKILL (mp.spawn's own default waits 30 s at each stage).
+# Seconds the other processes get to exit by themselves once one has failed, before SIGTERM,
+# and again before SIGKILL (mp.spawn's own default waits 30 s at each stage).
 GRACE_SECONDS = 5
 
 
-def worker(rank: int, plan: Plan, world_size: int) -> None:
+def worker(rank: int, plan: Plan, world_size: int, store_address: tuple[str, int]) -> None:
     with exit_on_error():
         try:
-            ctx = setup_process_group(rank, rank, world_size, world_size, None, plan.args.backend, plan.args.dist_timeout)
+            ctx = setup_process_group(rank, rank, world_size, world_size, None, plan.args.backend,
+                                      plan.args.dist_timeout, store_address)
             run(plan, ctx)
         finally:
             teardown()
+
+
+def stop(processes: list) -> None:
+    """SIGTERM, a grace period, then SIGKILL: nothing outlives the launcher."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(GRACE_SECONDS)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def loopback_interface() -> str | None:
+    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
 
 
 def main() -> None:
@@ -49,21 +67,29 @@ def main() -> None:
         if gpus and world_size > gpus:
             raise UserError(f"--world-size {world_size} is more than the {gpus} visible GPU(s)")
         plan = prepare(args, launcher="spawn")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(find_free_port(os.environ["MASTER_ADDR"])))
+        # All processes run on this machine, so by default nothing listens beyond loopback.
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        store = host_store(host, int(os.environ.get("MASTER_PORT", "0")), args.dist_timeout)
+        if host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ and loopback_interface():
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+            print(f"GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']} (gloo stays on loopback)")
 
-    context = mp.spawn(worker, args=(plan, world_size), nprocs=world_size, join=False)
+    context = mp.spawn(worker, args=(plan, world_size, (host, store.port)), nprocs=world_size, join=False)
     try:
         while not context.join(grace_period=GRACE_SECONDS):
             pass
     except mp.ProcessExitedException as e:
-        # The child printed its own `error:` line; a signal left it no chance to.
+        # The process printed its own `error:` line unless a signal gave it no chance to.
         if e.signal_name:
             print(f"error: process {e.error_index} was killed by {e.signal_name}", file=sys.stderr)
         sys.exit(e.exit_code if e.exit_code > 0 else 1)
     except mp.ProcessRaisedException as e:
-        print(e, file=sys.stderr)
+        print(e, file=sys.stderr)  # the failing rank's traceback
         sys.exit(1)
+    except KeyboardInterrupt:
+        stop(context.processes)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import random
 import shutil
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -133,6 +133,17 @@ def find_unreadable(paths: Sequence[str], threads: int) -> list[tuple[str, str]]
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:  # PIL releases the GIL
         errors = list(pool.map(_decode_error, paths))
     return [(p, e) for p, e in zip(paths, errors) if e is not None]
+
+
+def drop_unreadable(samples: list[Sample], class_names: list[str], unreadable: Iterable[str]) -> list[Sample]:
+    """`samples` without the unreadable files; a class left with no image is an error."""
+    unreadable = set(unreadable)
+    kept = [s for s in samples if s[0] not in unreadable]
+    present = {label for _, label in kept}
+    empty = [name for i, name in enumerate(class_names) if i not in present]
+    if empty:
+        raise UserError(f"class {empty[0]!r} has no readable image")
+    return kept
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,6 +56,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def why_unloadable(error: Exception) -> str:
+    """A short reason why torch.load(weights_only=True) failed, without torch's advice to
+    retry with weights_only=False, which would run whatever code the file carries."""
+    if isinstance(error, pickle.UnpicklingError):
+        return "refused as unsafe: it holds Python objects other than tensors, which could run code when loaded"
+    return "it is truncated, corrupt, or not a PyTorch file"
+
+
 def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     """One of our checkpoints, or a UserError saying why `path` is not one.
 
@@ -67,9 +75,8 @@ def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
         raise UserError(f"checkpoint {str(path)!r} does not exist")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot read checkpoint {str(path)!r}: it is truncated, corrupt or unsafe ({reason})") from None
+    except Exception as e:  # torch.load raises many types for a bad file
+        raise UserError(f"cannot read checkpoint {str(path)!r}: {why_unloadable(e)}") from None
     missing = [k for k in REQUIRED_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise UserError(

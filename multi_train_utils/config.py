@@ -37,9 +37,18 @@ class BoolFlag(argparse.Action):
         setattr(namespace, self.dest, on)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a default only where the help text does not explain it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def get_args_parser(description: str) -> argparse.ArgumentParser:
     """The options every launcher shares; each launcher adds the few of its own."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
     data = p.add_argument_group("data")
     data.add_argument("--data-path", default="dataset/flower_photos", help="one sub-folder of images per class")
     data.add_argument("--download", action=BoolFlag, help="fetch flower_photos.tgz into --data-path when it is missing")
@@ -68,6 +77,14 @@ def get_args_parser(description: str) -> argparse.ArgumentParser:
     model.add_argument("--freeze-layers", action=BoolFlag, help="train only the classifier")
     model.add_argument("--sync-bn", "--syncBN", action=BoolFlag,
                        help="BatchNorm statistics over all processes (multi-process runs only)")
+
+    speed = p.add_argument_group("speed")
+    speed.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"],
+                       help="mixed precision; auto: bf16 where the hardware runs it natively (CUDA from Ampere on, "
+                            "CPUs with AVX512-BF16 or AMX), fp16 with loss scaling on older GPUs, else off")
+    speed.add_argument("--channels-last", action=BoolFlag, default=True,
+                       help="NHWC memory layout, which the convolution kernels of GPUs and CPUs prefer")
+    speed.add_argument("--compile", action=BoolFlag, help="torch.compile the model (pays off only on long runs)")
 
     run = p.add_argument_group("run")
     run.add_argument("--output-dir", default=None, help="run folder (default: runs/<launcher>-<time>)")

@@ -97,19 +97,28 @@ def setup_process_group(
     device_spec: str | None,
     backend: str | None,
     timeout_s: float,
+    store_address: tuple[str, int] | None = None,
 ) -> DistContext:
-    """Join the process group described by MASTER_ADDR/MASTER_PORT and the given ranks."""
+    """Join the process group of the given ranks: through the store at `store_address`
+    (hosted by the spawn launcher), else through MASTER_ADDR/MASTER_PORT (torchrun, SLURM).
+    `timeout_s` bounds every collective: a dead or stuck peer becomes an error, not a hang."""
     device = resolve_device(device_spec, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     _configure_threads(device, local_world_size)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store_address is not None:
+        host, port = store_address
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    else:
+        host, port, store = _env_store(rank, world_size, timeout)
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
+        store=store,
         # Binding the group to this rank's GPU lets NCCL connect eagerly and avoids
         # "devices used by this process are currently unknown" warnings in barrier().
         device_id=device if backend == "nccl" else None,
@@ -117,10 +126,27 @@ def setup_process_group(
     ctx = DistContext(rank, local_rank, world_size, local_world_size, device, distributed=True)
     ctx.print0(
         f"process group: backend={backend}, world_size={world_size}, "
-        f"master={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}, "
+        f"rendezvous={host}:{port}, "
         f"threads per process={torch.get_num_threads()}"
     )
     return ctx
+
+
+def _env_store(rank: int, world_size: int, timeout: datetime.timedelta) -> tuple[str, int, dist.Store]:
+    """The store that init_method="env://" would open, namespaced by torchrun's restart count.
+
+    torchrun keeps one store for the whole job. After a worker dies and the group restarts,
+    the new processes would otherwise find the addresses that the failed group published
+    under the same keys, and hang or fail to connect to processes that no longer exist.
+    """
+    try:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError):
+        raise UserError("MASTER_ADDR and MASTER_PORT must be set to the rendezvous address") from None
+    # Under torchrun the agent hosts the store and every worker is a client; otherwise rank 0 hosts it.
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    return host, port, dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def env_ranks(local_rank_arg: int | None = None) -> tuple[int, int, int, int] | None:
@@ -162,6 +188,23 @@ def find_free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store for processes this one starts, listening on host:port only.
+
+    Port 0 asks the OS for a free port while binding it, so two jobs started at the same
+    moment cannot pick the same one (as "find a free port, then let rank 0 bind it" can).
+    The socket is ours because TCPStore itself would listen on every interface.
+    """
+    try:
+        sock = socket.create_server((host, port), backlog=128)
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}): is MASTER_PORT used by another job?") from None
+    return dist.TCPStore(
+        host, sock.getsockname()[1], None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False, master_listen_fd=sock.detach(),
+    )
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:

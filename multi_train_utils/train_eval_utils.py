@@ -38,7 +38,15 @@ from multi_train_utils.distributed_utils import (
     gather_objects,
 )
 from my_dataset import EpochSampler, MyDataSet, build_transform, eval_resize
-from utils import DataSplit, TrainingDiverged, UserError, find_unreadable, split_samples
+from plots import save_run_plots
+from utils import (
+    DataSplit,
+    TrainingDiverged,
+    UserError,
+    drop_unreadable,
+    find_unreadable,
+    split_samples,
+)
 
 # Steps between looks at the loss on the host: each look is one small collective and one
 # host sync, so the loop never waits on the device at every step.
@@ -54,11 +62,7 @@ def readable_split(plan: Plan, ctx: DistContext) -> DataSplit:
     unreadable = dict(pair for part in gather_objects(mine, ctx) for pair in part)
     for path, reason in sorted(unreadable.items()):
         ctx.print0(f"warning: leaving out {path}: {reason}")
-    samples = [s for s in plan.samples if s[0] not in unreadable]
-    present = {label for _, label in samples}
-    empty = [name for i, name in enumerate(plan.class_names) if i not in present]
-    if empty:
-        raise UserError(f"class {empty[0]!r} has no readable image")
+    samples = drop_unreadable(plan.samples, plan.class_names, unreadable)
     return split_samples(samples, plan.class_names, plan.args.val_rate, plan.args.seed)
 
 
@@ -73,6 +77,8 @@ def prepare_output_dir(plan: Plan, ctx: DistContext) -> Path:
             probe = Path(path) / ".write-test"
             probe.write_bytes(b"")
             probe.unlink()
+            for stale in Path(path).glob(".*.pth*.tmp"):  # left by a process killed while saving
+                stale.unlink()
         except OSError as e:
             error = f"cannot write to the output folder {path!r}: {e.strerror or e}"
     path, error = broadcast_object((path, error), ctx)
@@ -119,7 +125,24 @@ def build_optimizer(model: nn.Module, args: Any, lr: float) -> torch.optim.Optim
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, nesterov=args.momentum > 0)
+    # The fused kernel updates all parameters in one pass; it exists for CPU and CUDA tensors.
+    return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, nesterov=args.momentum > 0, fused=True)
+
+
+def autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for `--amp`, or None for full fp32."""
+    if choice == "off":
+        return None
+    if choice == "fp16":
+        return torch.float16
+    if choice == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    # Without native bf16 instructions the CPU emulates it, slower than fp32.
+    cpu = torch.cpu
+    native = getattr(cpu, "_is_avx512_bf16_supported", lambda: False)() or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+    return torch.bfloat16 if device.type == "cpu" and native else None
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args: Any, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -146,6 +169,8 @@ def train_one_epoch(
     ctx: DistContext,
     epoch: int,
     epochs: int,
+    amp_dtype: torch.dtype | None = None,
+    memory_format: torch.memory_format = torch.contiguous_format,
 ) -> dict[str, float]:
     """One pass over this rank's shard. Loss and accuracy stay on the device as running sums
     and are all-reduced once at the end; the host looks at them every CHECK_EVERY steps."""
@@ -158,10 +183,11 @@ def train_one_epoch(
                dynamic_ncols=True)
     steps = len(loader)
     for step, (images, labels) in enumerate(bar):
-        images = images.to(device, non_blocking=True)
+        images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
-        logits = model(images)
-        loss = criterion(logits, labels)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(images)
+            loss = criterion(logits, labels)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
@@ -190,16 +216,23 @@ def train_one_epoch(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, ctx: DistContext) -> dict[str, float]:
+def evaluate(
+    model: nn.Module,
+    loader: DataLoader,
+    ctx: DistContext,
+    amp_dtype: torch.dtype | None = None,
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> dict[str, float]:
     """Exact accuracy and mean loss over the whole validation split: each rank sees a
     disjoint shard without padding, so every image counts exactly once."""
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     criterion = nn.CrossEntropyLoss(reduction="sum")
     for images, labels in loader:
-        images = images.to(ctx.device, non_blocking=True)
+        images = images.to(ctx.device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(ctx.device, non_blocking=True)
-        logits = model(images)
+        with torch.autocast(ctx.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(images)
         sums += torch.stack([
             criterion(logits.float(), labels).double(),
             (logits.argmax(1) == labels).sum().double(),
@@ -218,8 +251,13 @@ def restore_metrics(path: Path, completed_epochs: int) -> None:
     epoch k+1 but before its checkpoint must not log epoch k+1 twice once resumed."""
     if not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["epoch"] <= completed_epochs]
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["epoch"] <= completed_epochs:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass  # a line cut short by a kill mid-append
     path.write_text("".join(line + "\n" for line in kept))
 
 
@@ -260,11 +298,17 @@ def run(plan: Plan, ctx: DistContext) -> None:
                 f"but {args.data_path} has {split.class_names}"
             )
         model.load_state_dict(checkpoint["model"])
-    model.to(ctx.device)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model.to(ctx.device, memory_format=memory_format)
+    amp_dtype = autocast_dtype(args.amp, ctx.device)
+    if ctx.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed input sizes: autotuned kernels pay off from step 2
+    ctx.print0(f"precision: {'fp32' if amp_dtype is None else str(amp_dtype).removeprefix('torch.') + ' autocast'}, "
+               f"memory format: {'channels_last' if args.channels_last else 'NCHW'}")
     train_loader, val_loader = build_loaders(split, plan, ctx)
 
     if args.eval_only:
-        result = evaluate(model, val_loader, ctx)
+        result = evaluate(model, val_loader, ctx, amp_dtype, memory_format)
         source = resume_path or args.weights
         ctx.print0(f"eval {source}: acc {result['val_acc']:.4f} ({result['val_correct']}/{result['val_total']}), "
                    f"loss {result['val_loss']:.4f}")
@@ -277,10 +321,13 @@ def run(plan: Plan, ctx: DistContext) -> None:
     model_without_ddp = model
     if ctx.distributed:
         model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    if args.compile:
+        model = torch.compile(model)  # checkpoints and evaluation use the uncompiled model_without_ddp
 
     optimizer = build_optimizer(model_without_ddp, args, lr)
     scheduler = build_scheduler(optimizer, args, len(train_loader))
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=False)
+    # Loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's range.
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     start_epoch, best_acc = 0, -1.0
     if checkpoint is not None:
@@ -302,10 +349,11 @@ def run(plan: Plan, ctx: DistContext) -> None:
         for epoch in range(start_epoch + 1, args.epochs + 1):
             train_loader.sampler.set_epoch(epoch)
             started = time.perf_counter()
-            train = train_one_epoch(model, train_loader, criterion, optimizer, scheduler, scaler, ctx, epoch, args.epochs)
+            train = train_one_epoch(model, train_loader, criterion, optimizer, scheduler, scaler, ctx, epoch,
+                                    args.epochs, amp_dtype, memory_format)
             train_seconds = time.perf_counter() - started
             broadcast_buffers(model_without_ddp, ctx)
-            val = evaluate(model_without_ddp, val_loader, ctx)
+            val = evaluate(model_without_ddp, val_loader, ctx, amp_dtype, memory_format)
             record = {
                 "epoch": epoch,
                 "train_loss": train["train_loss"],
@@ -349,6 +397,8 @@ def run(plan: Plan, ctx: DistContext) -> None:
                     f" | {record['train_images_per_sec']:.1f} img/s, {train_seconds:.1f}s" + (" *best*" if is_best else ""),
                     flush=True,
                 )
+        if ctx.is_main:
+            save_run_plots(output_dir, split, args.img_size, args.seed)
         ctx.print0(f"done: best val_acc {best_acc:.4f}; checkpoints and logs in {output_dir}")
     finally:
         if writer is not None:

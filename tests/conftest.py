@@ -1,9 +1,11 @@
 """Helpers shared by the tests: run a launcher for real, read what it wrote, build odd image folders."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +32,28 @@ def launcher_cmd(launcher: str, nproc: int = 1) -> list[str]:
     raise ValueError(launcher)
 
 
-def run_cli(cmd: list[str], timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **(env or {})}
+def start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a launcher in its own process group, as a shell starts a job."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("MASTER_PORT", None)
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_cli(cmd: list[str], timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    proc = start(cmd, env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)  # every process of the job, not only the launcher
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def train(launcher: str, out: Path, *extra: str, nproc: int = 1, data: Path = SAMPLE, timeout: float = 180,
@@ -62,6 +82,36 @@ def copy_sample(dst: Path, classes: list[str] | None = None, per_class: int | No
     return dst
 
 
-@pytest.fixture(scope="session")
-def repo() -> Path:
-    return REPO
+def user_error(main, argv: list[str], capsys) -> str:
+    """Run a launcher's main() in this process; check it ends with one `error:` line and exit
+    code 2, without a traceback; return that line."""
+    old = sys.argv
+    sys.argv = ["prog", *argv]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+    finally:
+        sys.argv = old
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    """PIDs of live processes whose environment holds MARKER=marker: a job's launcher, its
+    workers and their data-loader workers, whatever session or process group they are in."""
+    needle = f"TEST_JOB_MARKER={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if state != "Z":  # a zombie has exited and only waits for its parent to reap it
+                        found.append(int(entry.name))
+            except OSError:
+                pass
+    return found

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from conftest import SAMPLE, copy_sample, launcher_cmd, run_cli
+from conftest import SAMPLE, copy_sample, launcher_cmd, run_cli, user_error
 
 import train_multi_gpu_using_spawn
 import train_single_gpu
@@ -54,23 +54,6 @@ def test_every_launcher_documents_the_same_options():
         assert ("--world-size" in text) == (launcher == "spawn")
 
 
-def user_error(main, argv: list[str], capsys) -> str:
-    """Run a launcher's main() in this process; return its one error line."""
-    old = sys.argv
-    sys.argv = ["prog", *argv]
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            main()
-    finally:
-        sys.argv = old
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2, err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
-
-
 @pytest.fixture
 def broken_files(tmp_path):
     (tmp_path / "notes.pth").write_text("not a checkpoint")
@@ -84,7 +67,7 @@ def broken_files(tmp_path):
         (["--data-path", "/nonexistent/flowers"], "does not exist"),
         (["--data-path", str(SAMPLE), "--num-classes", "3"], "--num-classes is 3"),
         (["--data-path", str(SAMPLE), "--weights", "/nonexistent.pth"], "does not exist"),
-        (["--data-path", str(SAMPLE), "--weights", "{tmp}/notes.pth"], "not a PyTorch checkpoint"),
+        (["--data-path", str(SAMPLE), "--weights", "{tmp}/notes.pth"], "not a PyTorch file"),
         (["--data-path", str(SAMPLE), "--weights", "{tmp}/no_tensors.pth"], "no state dict"),
         (["--data-path", str(SAMPLE), "--resume", "{tmp}/no_tensors.pth"], "not a training checkpoint"),
         (["--data-path", str(SAMPLE), "--val-rate", "0"], "--val-rate"),

@@ -1,0 +1,257 @@
+"""Pictures of a training run: learning curves, the class balance, and what augmentation feeds the net.
+
+    python plots.py runs/single-20240101-120000                 # redraw its PNGs in the run folder
+    python plots.py runs/single-a runs/launch-b --out plots/    # each run's PNGs, plus plots/compare.png
+
+A run folder gets curves.png, class_distribution.png and augmented_samples.png;
+`save_run_plots` draws them at the end of training. matplotlib is optional: without it the
+plots are skipped with a message and training is unaffected.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from my_dataset import IMAGENET_MEAN, IMAGENET_STD, MyDataSet, build_transform
+from utils import (
+    DataSplit,
+    UserError,
+    drop_unreadable,
+    exit_on_error,
+    find_unreadable,
+    list_images,
+    split_samples,
+)
+
+MISSING_MATPLOTLIB = "matplotlib is not installed: plots skipped (pip install matplotlib)"
+MAX_SAMPLES = 16
+Log = Callable[[str], None]
+
+
+def _figure_class() -> Any:
+    """matplotlib's Figure, or None. Figures made without pyplot render with Agg, need no
+    display and leave the process's global backend alone (this may run inside training)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    return Figure
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def read_config(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def plot_curves(records: list[dict[str, Any]], path: Path) -> None:
+    Figure = _figure_class()
+    epochs = [r["epoch"] for r in records]
+    fig = Figure(figsize=(15, 4.2), layout="constrained")
+    loss, acc, lr = fig.subplots(1, 3)
+    # A one-epoch run is one point per line: markers keep it visible.
+    loss.plot(epochs, [r["train_loss"] for r in records], "o-", label="train (label-smoothed)")
+    loss.plot(epochs, [r["val_loss"] for r in records], "o-", label="val")
+    loss.set(title="loss", xlabel="epoch", yscale="log")  # an early val_loss spike would flatten the rest
+    acc.plot(epochs, [r["train_acc"] for r in records], "o-", label="train")
+    acc.plot(epochs, [r["val_acc"] for r in records], "o-", label="val")
+    acc.set(title="accuracy", xlabel="epoch", ylim=(0, 1.02))
+    lr.plot(epochs, [r["lr"] for r in records], "o-", color="tab:green")
+    lr.set(title="learning rate at the end of each epoch", xlabel="epoch")
+    lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    for ax in (loss, acc, lr):
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    loss.legend()
+    acc.legend()
+    fig.savefig(path, dpi=100)
+
+
+def plot_class_distribution(split: DataSplit, path: Path) -> None:
+    Figure = _figure_class()
+    names = split.class_names
+    x = list(range(len(names)))
+    width = 0.4
+    fig = Figure(figsize=(max(6.0, 0.9 * len(names) + 2), 4.5), layout="constrained")
+    ax = fig.subplots()
+    for offset, (label, samples) in zip((-width / 2, width / 2), (("train", split.train), ("val", split.val))):
+        counts = [0] * len(names)
+        for _, class_index in samples:
+            counts[class_index] += 1
+        bars = ax.bar([i + offset for i in x], counts, width, label=f"{label} ({len(samples)})")
+        ax.bar_label(bars, fontsize=8)
+    ax.set_xticks(x, names, rotation=30 if len(names) > 8 else 0, ha="right" if len(names) > 8 else "center")
+    ax.set(title="images per class", ylabel="images")
+    ax.margins(y=0.2)  # room for the counts and the legend above the tallest bar
+    ax.legend(loc="upper center", ncols=2)
+    fig.savefig(path, dpi=100)
+
+
+def plot_augmented_samples(split: DataSplit, img_size: int, seed: int, path: Path) -> None:
+    """Training images exactly as epoch 1 fed them to the net: the (epoch, index) keys seed
+    the augmentation as the training loop does, so the picture is deterministic."""
+    Figure = _figure_class()
+    dataset = MyDataSet(split.train, build_transform(img_size, train=True), img_size, seed)
+    count = min(MAX_SAMPLES, len(dataset))
+    # Evenly spaced through the (class-sorted) training list, so every class shows up.
+    indices = [i * len(dataset) // count for i in range(count)]
+    columns = min(4, count)
+    rows = -(-count // columns)
+    fig = Figure(figsize=(2.2 * columns, 2.4 * rows), layout="constrained")
+    axes = fig.subplots(rows, columns, squeeze=False).flat
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    for ax, index in zip(axes, indices):
+        image, label = dataset[(1, index)]
+        ax.imshow((image * std + mean).clamp(0, 1).permute(1, 2, 0).numpy())
+        ax.set_title(split.class_names[label], fontsize=9)
+    for ax in fig.axes:
+        ax.axis("off")
+    fig.suptitle(f"augmented training images, epoch 1 ({img_size} px)")
+    fig.savefig(path, dpi=100)
+
+
+def split_from_config(run_dir: Path, config: dict[str, Any], log: Log) -> DataSplit | None:
+    """The run's split, rebuilt as training built it, or None (with a message) when the data
+    folder is gone or changed."""
+    data_path = config.get("data_path")
+    if not data_path or not Path(data_path).is_dir():
+        where = "" if not data_path or Path(data_path).is_absolute() else f" (relative to {Path.cwd()})"
+        log(f"data folder {data_path!r}{where} of {run_dir} is not there: class_distribution.png and "
+            "augmented_samples.png skipped")
+        return None
+    class_names, samples = list_images(data_path)
+    # Training left unreadable files out before splitting; so must we, or the split differs.
+    unreadable = [p for p, _ in find_unreadable([p for p, _ in samples], threads=torch.get_num_threads())]
+    samples = drop_unreadable(samples, class_names, unreadable)
+    indices = run_dir / "class_indices.json"
+    if indices.is_file() and list(json.loads(indices.read_text()).values()) != class_names:
+        log(f"the classes in {data_path} changed since {run_dir} was trained: data plots skipped")
+        return None
+    return split_samples(samples, class_names, config["val_rate"], config["seed"])
+
+
+def save_run_plots(
+    run_dir: Path,
+    split: DataSplit | None = None,
+    img_size: int | None = None,
+    seed: int = 0,
+    log: Log = print,
+    out_dir: Path | None = None,
+) -> list[Path]:
+    """Draw curves.png, class_distribution.png and augmented_samples.png into `out_dir`
+    (default: `run_dir`) and return the files written.
+
+    Without `split`, the split, image size and seed are rebuilt from the run's config.json.
+    Never raises for a plot: a failure is logged and the other plots are still drawn, so a
+    training run cannot fail because of a picture.
+    """
+    if _figure_class() is None:
+        log(MISSING_MATPLOTLIB)
+        return []
+    run_dir = Path(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run_dir
+    written: list[Path] = []
+
+    def draw(name: str, plot: Callable[..., None], *args: Any) -> None:
+        try:
+            plot(*args, out_dir / name)
+        except Exception as e:  # noqa: BLE001 -- a picture must never fail the training that draws it
+            log(f"warning: could not draw {out_dir / name}: {type(e).__name__}: {e}")
+        else:
+            written.append(out_dir / name)
+
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        records = read_metrics(run_dir)
+        config = read_config(run_dir)
+    except (OSError, ValueError) as e:
+        log(f"warning: no plots for {run_dir}: {type(e).__name__}: {e}")
+        return written
+    if records:
+        draw("curves.png", plot_curves, records)
+    else:
+        log(f"{run_dir / 'metrics.jsonl'} holds no epoch yet: curves.png skipped")
+    if split is None and not config:
+        log(f"{run_dir / 'config.json'} is missing: class_distribution.png and augmented_samples.png skipped")
+    elif split is None:
+        seed = config.get("seed", seed)
+        try:
+            split = split_from_config(run_dir, config, log)
+        except (OSError, UserError) as e:  # the data folder was emptied or changed since training
+            log(f"warning: cannot rebuild the split of {run_dir}: {e}")
+    img_size = img_size or config.get("img_size")
+    if split is not None:
+        draw("class_distribution.png", plot_class_distribution, split)
+        if img_size:
+            draw("augmented_samples.png", plot_augmented_samples, split, img_size, seed)
+    return written
+
+
+def run_label(run_dir: Path) -> str:
+    config = read_config(run_dir)
+    if "launcher" not in config:
+        return run_dir.name
+    return f"{run_dir.name} ({config['launcher']}, world size {config.get('world_size', '?')})"
+
+
+def plot_compare(run_dirs: list[Path], path: Path) -> None:
+    """val_acc and train/val loss per epoch, one colour per run."""
+    Figure = _figure_class()
+    fig = Figure(figsize=(13, 4.8), layout="constrained")
+    acc, loss = fig.subplots(1, 2)
+    for i, run_dir in enumerate(run_dirs):
+        records = read_metrics(run_dir)
+        epochs = [r["epoch"] for r in records]
+        color = f"C{i % 10}"
+        label = run_label(run_dir)
+        acc.plot(epochs, [r["val_acc"] for r in records], "o-", color=color, label=label)
+        loss.plot(epochs, [r["val_loss"] for r in records], "o-", color=color, label=f"{label} val")
+        loss.plot(epochs, [r["train_loss"] for r in records], "o--", color=color, alpha=0.6, label=f"{label} train")
+    acc.set(title="validation accuracy", xlabel="epoch", ylim=(0, 1.02))
+    loss.set(title="loss (solid: val, dashed: train, label-smoothed)", xlabel="epoch", yscale="log")
+    for ax in (acc, loss):
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=8)
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="training run folders")
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR",
+                        help="folder for the PNGs (one run) or for compare.png (several; default: the first run)")
+    args = parser.parse_args()
+    with exit_on_error():
+        for run_dir in args.runs:
+            try:
+                records = read_metrics(run_dir)
+            except (OSError, ValueError) as e:
+                raise UserError(f"cannot read {str(run_dir / 'metrics.jsonl')!r}: {e}") from None
+            if not records:
+                raise UserError(f"{str(run_dir)!r} is not a training run folder (no epochs in metrics.jsonl)")
+        if _figure_class() is None:
+            raise UserError(MISSING_MATPLOTLIB)
+        single = len(args.runs) == 1
+        for run_dir in args.runs:
+            for path in save_run_plots(run_dir, out_dir=args.out if single else None):
+                print(f"wrote {path}")
+        if not single:
+            out = args.out or args.runs[0]
+            out.mkdir(parents=True, exist_ok=True)
+            plot_compare(args.runs, out / "compare.png")
+            print(f"wrote {out / 'compare.png'}")
+
+
+if __name__ == "__main__":
+    main()

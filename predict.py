@@ -1,0 +1,139 @@
+"""Classify images with a trained checkpoint: the top-k classes and their probabilities.
+
+    python predict.py --checkpoint runs/single-20240101-120000/best.pth photo.jpg more_photos/
+    python predict.py --checkpoint best.pth data/flower_photos_sample --top-k 1 --json > predictions.jsonl
+
+Folders are searched recursively. The class names and the image size come from the checkpoint;
+images get the validation transform. Exit code 1 when some file could not be read (each is
+named on stderr, the others are still predicted), 2 for a bad checkpoint or no image at all.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from model import create_model
+from multi_train_utils.checkpoint import load_checkpoint
+from multi_train_utils.distributed_utils import cpu_count, resolve_device
+from my_dataset import build_transform, eval_resize
+from utils import IMG_EXTENSIONS, UserError, exit_on_error, load_rgb
+
+
+def find_images(inputs: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Image files named or found below the inputs, and (path, reason) for inputs that do
+    not exist. A file named explicitly is taken whatever its extension: the user asked."""
+    files: list[str] = []
+    missing: list[tuple[str, str]] = []
+    for item in inputs:
+        if os.path.isfile(item):
+            files.append(item)
+        elif os.path.isdir(item):
+            found = []
+            # Same rule as utils.list_images: hidden files and folders are not images.
+            for dirpath, dirnames, filenames in os.walk(item, followlinks=True):
+                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+                found.extend(os.path.join(dirpath, f) for f in filenames
+                             if not f.startswith(".") and f.lower().endswith(IMG_EXTENSIONS))
+            files.extend(sorted(found))
+        else:
+            missing.append((item, "no such file or directory"))
+    return list(dict.fromkeys(files)), missing  # a file named twice is predicted once
+
+
+class ImageFiles(Dataset):
+    """(image, error) per path; a file that does not decode gives a blank image and the
+    reason, so one bad file is reported instead of stopping the whole loader."""
+
+    def __init__(self, paths: list[str], img_size: int):
+        self.paths = paths
+        self.img_size = img_size
+        self.transform = build_transform(img_size, train=False)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, str]:
+        try:
+            return self.transform(load_rgb(self.paths[index], eval_resize(self.img_size))), ""
+        except Exception as e:  # noqa: BLE001 -- PIL raises OSError, SyntaxError, DecompressionBombError...
+            return torch.zeros(3, self.img_size, self.img_size), f"{type(e).__name__}: {e}"
+
+
+def predict(
+    checkpoint: dict[str, Any], paths: list[str], top_k: int, batch_size: int, device: torch.device, workers: int
+) -> Iterator[tuple[str, list[tuple[str, float]] | None, str]]:
+    """(path, [(class, probability), ...] best first, "") per image, or (path, None, reason)."""
+    class_names = checkpoint["class_names"]
+    img_size = checkpoint["args"]["img_size"]
+    model = create_model(len(class_names))
+    model.load_state_dict(checkpoint["model"])
+    model.to(device).eval()
+    loader = DataLoader(ImageFiles(paths, img_size), batch_size=batch_size, num_workers=workers,
+                        pin_memory=device.type == "cuda")
+    top_k = min(top_k, len(class_names))
+    done = 0
+    with torch.inference_mode():
+        for images, errors in loader:
+            probs = model(images.to(device, non_blocking=True)).float().softmax(1)
+            values, indices = probs.topk(top_k, dim=1)
+            for path, error, row_values, row_indices in zip(
+                paths[done : done + len(errors)], errors, values.tolist(), indices.tolist()
+            ):
+                if error:
+                    yield path, None, error
+                else:
+                    yield path, [(class_names[i], p) for i, p in zip(row_indices, row_values)], ""
+            done += len(errors)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER", help="image files and folders of images")
+    parser.add_argument("--checkpoint", required=True, metavar="PATH", help="best.pth or last.pth of a training run")
+    parser.add_argument("--top-k", type=int, default=3, metavar="K", help="classes shown per image (default: 3)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    parser.add_argument("--batch-size", type=int, default=32, metavar="N", help="images per forward pass (default: 32)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="image-decoding processes (default: CPUs - 1, at most 8)")
+    args = parser.parse_args()
+    with exit_on_error():
+        if args.top_k < 1 or args.batch_size < 1 or (args.workers or 0) < 0:
+            raise UserError("--top-k and --batch-size must be at least 1, --workers at least 0")
+        device = resolve_device(args.device, 0)
+        checkpoint = load_checkpoint(args.checkpoint, mmap=True)  # mapped: the optimizer state is never read
+        paths, failed = find_images(args.inputs)
+        for path, reason in failed:
+            print(f"warning: cannot read {path}: {reason}", file=sys.stderr, flush=True)
+        if not paths:
+            raise UserError(f"no image found in {', '.join(args.inputs)} (looked for {' '.join(IMG_EXTENSIONS)} files)")
+        workers = max(0, min(8, cpu_count() - 1)) if args.workers is None else args.workers
+        path_width = max(len(p) for p in paths)
+        class_width = max(len(c) for c in checkpoint["class_names"])
+        try:
+            for path, top, error in predict(checkpoint, paths, args.top_k, args.batch_size, device, workers):
+                if top is None:
+                    failed.append((path, error))
+                    print(f"warning: cannot read {path}: {error}", file=sys.stderr, flush=True)
+                elif args.json:
+                    print(json.dumps({"path": path, "top": [{"class": c, "prob": round(p, 6)} for c, p in top]}),
+                          flush=True)
+                else:
+                    print(f"{path:<{path_width}}  " + "  ".join(f"{c:<{class_width}} {p:.3f}" for c, p in top),
+                          flush=True)
+        except BrokenPipeError:
+            # The reader (head, less) stopped early: end quietly, as other command-line tools do.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Faults that distributed jobs meet, done for real: killed workers, Ctrl-C, busy ports,
+half-written and hostile checkpoints, peers that never answer."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import random
+import signal
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import (
+    FAST,
+    SAMPLE,
+    copy_sample,
+    kill_group,
+    launcher_cmd,
+    metrics,
+    processes_with_marker,
+    start,
+    user_error,
+)
+
+import train_single_gpu
+from model import create_model
+from multi_train_utils.checkpoint import load_checkpoint, save_atomic
+from multi_train_utils.distributed_utils import (
+    find_free_port,
+    setup_process_group,
+    teardown,
+)
+
+# What "promptly" means for a job that must stop: the issue's bound. torchrun's and
+# mp.spawn's own escalation waits 30 s before SIGKILL.
+STOP_WITHIN = 20
+
+
+def start_job(launcher: str, out: Path, *extra: str, nproc: int = 2, data: Path = SAMPLE):
+    marker = uuid.uuid4().hex
+    cmd = launcher_cmd(launcher, nproc) + ["--data-path", str(data), "--output-dir", str(out), *FAST, *extra]
+    return start(cmd, env={"TEST_JOB_MARKER": marker}), marker
+
+
+def wait_for_epochs(proc, out: Path, epochs: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= epochs):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_group(proc)
+            raise AssertionError(f"the job ended or stalled before epoch {epochs}:\n{proc.communicate()[1][-3000:]}")
+        time.sleep(0.05)
+
+
+def wait_until_gone(proc, marker: str) -> tuple[float, str]:
+    """Seconds until the launcher exits and no process of the job is left; its stderr."""
+    started = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=STOP_WITHIN)
+        while processes_with_marker(marker) and time.monotonic() - started < STOP_WITHIN:
+            time.sleep(0.1)
+    finally:
+        leftover = processes_with_marker(marker)
+        for pid in leftover:
+            os.kill(pid, signal.SIGKILL)
+        kill_group(proc)
+    assert not leftover, f"processes left running: {leftover}"
+    return time.monotonic() - started, err
+
+
+def child_pids(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children]
+
+
+def test_elastic_restart_resumes_and_logs_each_epoch_once(tmp_path):
+    """kill -9 a torchrun worker mid-run: torchrun restarts the group, which resumes from
+    last.pth and finishes every epoch; metrics.jsonl holds each epoch once."""
+    out = tmp_path / "run"
+    cmd = launcher_cmd("launch", 2)
+    cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
+    marker = uuid.uuid4().hex
+    proc = start(cmd + ["--data-path", str(SAMPLE), "--output-dir", str(out), *FAST, "--epochs", "3",
+                        "--resume", "auto"], env={"TEST_JOB_MARKER": marker})
+    wait_for_epochs(proc, out, 1)
+    workers = child_pids(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[0], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stdout
+    assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
+    assert not processes_with_marker(marker)
+
+
+def _save_forever(path: str) -> None:
+    ramp = torch.arange(4_000_000, dtype=torch.float64)  # 32 MB: each save takes a while, so kills land mid-write
+    i = 0
+    while True:
+        i += 1
+        save_atomic({"i": i, "w": ramp + i}, Path(path))
+
+
+def test_killed_while_saving_leaves_a_whole_checkpoint(tmp_path):
+    """SIGKILL a process that does nothing but save, at random moments: the file on disk is
+    always one whole checkpoint, never a torn mix or a truncated write."""
+    path = tmp_path / "last.pth"
+    ctx = multiprocessing.get_context("fork")
+    for _ in range(8):
+        writer = ctx.Process(target=_save_forever, args=(str(path),))
+        writer.start()
+        while not path.exists():  # the first save must have landed before a kill means anything
+            time.sleep(0.01)
+        time.sleep(random.uniform(0.0, 0.5))
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join()
+        state = torch.load(path, weights_only=True)  # raises on a truncated file
+        i = state["i"]
+        assert state["w"][0].item() == i and state["w"][-1].item() == 3_999_999 + i
+    assert not [p for p in tmp_path.iterdir() if p.name != "last.pth" and not p.name.endswith(".tmp")]
+
+
+def _real_checkpoint(path: Path) -> None:
+    model = create_model(5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "scaler": {}, "epoch": 1, "best_acc": 0.2,
+                 "args": {}, "class_names": ["daisy", "dandelion", "roses", "sunflowers", "tulips"]}, path)
+
+
+def test_truncated_or_corrupt_checkpoint_is_a_clear_error(tmp_path, capsys):
+    good = tmp_path / "last.pth"
+    _real_checkpoint(good)
+    load_checkpoint(good)  # the untouched file is fine
+    truncated = tmp_path / "truncated.pth"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    corrupt = tmp_path / "corrupt.pth"
+    data = bytearray(good.read_bytes())
+    data[100:4000] = os.urandom(3900)
+    corrupt.write_bytes(bytes(data))
+    for bad in (truncated, corrupt):
+        line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), "--resume", str(bad)], capsys)
+        assert "cannot read checkpoint" in line
+
+
+class _Payload:
+    """Unpickling this runs `touch MARKER`: what a hostile checkpoint would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("option", ["--weights", "--resume"])
+def test_hostile_pickle_is_refused_and_runs_nothing(tmp_path, option, capsys):
+    marker = tmp_path / "payload_ran"
+    hostile = tmp_path / "hostile.pth"
+    with open(hostile, "wb") as f:
+        pickle.dump({"model": _Payload(marker)}, f)
+    torch.save({"model": {"fc.weight": _Payload(marker)}}, tmp_path / "hostile_zip.pth")
+    # A bare pickle is not torch's file format; a torch.save file reaches the unpickler and is refused there.
+    for path, reason in ((hostile, "not a PyTorch file"), (tmp_path / "hostile_zip.pth", "refused as unsafe")):
+        line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), option, str(path)], capsys)
+        assert reason in line, line
+    assert not marker.exists(), "the pickle's payload ran"
+    pickle.loads(pickle.dumps(_Payload(marker)))  # the payload is real: plain pickle runs it
+    assert marker.exists()
+
+
+def test_spawn_child_killed_brings_the_job_down(tmp_path):
+    proc, marker = start_job("spawn", tmp_path, "--epochs", "50", "--workers", "1")
+    wait_for_epochs(proc, tmp_path, 1)
+    children = [pid for pid in child_pids(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(children) == 2, children
+    os.kill(children[1], signal.SIGKILL)
+    seconds, err = wait_until_gone(proc, marker)
+    assert proc.returncode != 0 and seconds < STOP_WITHIN
+    assert "killed by SIGKILL" in err, err[-2000:]
+
+
+def test_spawn_child_exception_is_shown_and_the_job_ends(tmp_path):
+    """An image is corrupted after start-up: the rank that reads it raises, the other ranks
+    wait in a collective, and the launcher takes them all down, showing the error."""
+    data = copy_sample(tmp_path / "data")
+    proc, marker = start_job("spawn", tmp_path / "run", "--epochs", "50", data=data)
+    wait_for_epochs(proc, tmp_path / "run", 1)
+    # One image: the next epoch, exactly one rank reads it (in training or in evaluation).
+    sorted((data / "roses").iterdir())[0].write_bytes(b"no longer a JPEG")
+    seconds, err = wait_until_gone(proc, marker)
+    assert proc.returncode != 0 and seconds < STOP_WITHIN
+    assert "cannot decode" in err and "terminated with the following error" in err, err[-3000:]
+
+
+@pytest.mark.parametrize("launcher, nproc", [("single", 1), ("launch", 2), ("spawn", 2)])
+def test_ctrl_c_stops_every_process(tmp_path, launcher, nproc):
+    proc, marker = start_job(launcher, tmp_path, "--epochs", "50", "--workers", "1", nproc=nproc)
+    wait_for_epochs(proc, tmp_path, 1)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+    seconds, err = wait_until_gone(proc, marker)
+    assert proc.returncode != 0 and seconds < STOP_WITHIN, (seconds, err[-2000:])
+
+
+def test_sigint_to_the_spawn_launcher_alone_stops_its_children(tmp_path):
+    """A scheduler signals the launcher, not its children: they must not outlive it."""
+    proc, marker = start_job("spawn", tmp_path, "--epochs", "50", "--workers", "1")
+    wait_for_epochs(proc, tmp_path, 1)
+    os.kill(proc.pid, signal.SIGINT)
+    seconds, _ = wait_until_gone(proc, marker)
+    assert proc.returncode == 130 and seconds < STOP_WITHIN
+
+
+def test_two_spawn_jobs_at_once_with_the_default_ports_taken(tmp_path):
+    held = []
+    for port in (29500, 29501, 29400):
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            held.append(s)
+        except OSError:
+            s.close()  # already taken by someone else: just as good
+    try:
+        jobs = [start_job("spawn", tmp_path / name, "--epochs", "1") for name in ("a", "b")]
+        for proc, _ in jobs:
+            out, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        for s in held:
+            s.close()
+    assert len(metrics(tmp_path / "a")) == len(metrics(tmp_path / "b")) == 1
+
+
+def _silent_peer(rank: int, port: int, result_file: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    setup_process_group(rank, rank, 2, 2, "cpu", "gloo", timeout_s=3)
+    try:
+        if rank == 1:
+            time.sleep(30)  # alive but never joins the collective
+            return
+        started = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1))
+            outcome = "returned"
+        except RuntimeError as e:
+            outcome = f"raised after {time.monotonic() - started:.1f}s: {str(e)[:80]}"
+        Path(result_file).write_text(outcome)
+        os._exit(0)  # do not wait for the silent peer in teardown
+    finally:
+        teardown()
+
+
+def test_dist_timeout_turns_a_silent_peer_into_an_error(tmp_path):
+    result = tmp_path / "result.txt"
+    context = mp.spawn(_silent_peer, args=(find_free_port(), str(result)), nprocs=2, join=False)
+    deadline = time.monotonic() + 60
+    while not result.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in context.processes:
+        p.kill()
+    text = result.read_text()
+    assert text.startswith("raised after"), text
+    assert float(text.split()[2].rstrip("s:")) < 15, text
