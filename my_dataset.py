@@ -1,13 +1,24 @@
-"""The image dataset, its transforms, and the sampler that makes augmentation reproducible."""
+"""The image dataset, its transforms, the shared-memory image cache, and the sampler that
+makes augmentation reproducible."""
 from __future__ import annotations
 
+import mmap
+import os
+import secrets
+import shutil
+import sys
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
+import torch.distributed as dist
+from PIL import Image
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 from torchvision.transforms import v2
 
-from utils import Sample, load_rgb
+from multi_train_utils.distributed_utils import DistContext, broadcast_object
+from utils import Sample, UserError, load_rgb
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -34,6 +45,84 @@ def build_transform(img_size: int, train: bool) -> v2.Compose:
     )
 
 
+class SharedImageCache:
+    """Every image decoded once, resized to a short side of `short_side`, kept as uint8 RGB in
+    one shared-memory file per machine.
+
+    Local rank 0 creates the file in /dev/shm, every process on the machine maps it, and the
+    name is removed before the (slow) decoding starts: the memory lives exactly as long as the
+    processes mapping it, so a crash leaves nothing behind. Data-loader workers inherit the
+    mapping when they fork, so there is one copy per machine, not one per rank or per worker.
+    """
+
+    def __init__(self, paths: Sequence[str], short_side: int, ctx: DistContext):
+        if sys.platform != "linux":
+            raise UserError("--cache needs Linux (a /dev/shm file shared with forked loader workers)")
+        self.index = {p: i for i, p in enumerate(paths)}
+        self.shapes = [_cached_shape(p, short_side) for p in paths]  # header reads only
+        sizes = [h * w * 3 for h, w in self.shapes]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.nbytes = int(self.offsets[-1])
+        _check_room(self.nbytes)
+        token = broadcast_object(secrets.token_hex(8) if ctx.is_main else None, ctx)
+        path = f"/dev/shm/imgcache-{token}"
+        creator = ctx.local_rank == 0
+        if creator:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, max(1, self.nbytes))
+        _barrier(ctx)
+        if not creator:
+            fd = os.open(path, os.O_RDWR)
+        self._map = mmap.mmap(fd, max(1, self.nbytes))
+        os.close(fd)
+        _barrier(ctx)
+        if creator:
+            os.unlink(path)
+        self.pixels = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes)
+        mine = range(ctx.local_rank, len(paths), ctx.local_world_size)
+        with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:  # PIL releases the GIL
+            list(pool.map(lambda i: self._fill(i, paths[i], short_side), mine))
+        _barrier(ctx)
+
+    def _fill(self, i: int, path: str, short_side: int) -> None:
+        h, w = self.shapes[i]
+        img = load_rgb(path, min_size=short_side).resize((w, h), Image.BILINEAR, reducing_gap=3.0)
+        self.pixels[self.offsets[i] : self.offsets[i + 1]] = np.asarray(img).reshape(-1)
+
+    def get(self, path: str) -> torch.Tensor:
+        """The cached picture as a uint8 CHW tensor viewing the shared memory (no copy)."""
+        i = self.index[path]
+        h, w = self.shapes[i]
+        hwc = self.pixels[self.offsets[i] : self.offsets[i + 1]].reshape(h, w, 3)
+        return torch.from_numpy(hwc).permute(2, 0, 1)
+
+
+def _cached_shape(path: str, short_side: int) -> tuple[int, int]:
+    with Image.open(path) as img:
+        w, h = img.size
+        if img.getexif().get(0x0112) in (5, 6, 7, 8):  # EXIF says: rotated by 90 degrees
+            w, h = h, w
+    scale = short_side / min(w, h)
+    return max(1, round(h * scale)), max(1, round(w * scale))
+
+
+def _check_room(nbytes: int) -> None:
+    shm_free = shutil.disk_usage("/dev/shm").free
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    room = min(shm_free, available)
+    if nbytes > 0.8 * room:  # leave room for the model, the loaders and the rest of the machine
+        raise UserError(
+            f"--cache needs {nbytes / 2**30:.2f} GiB of shared memory, but only {room / 2**30:.2f} GiB is "
+            "available (/dev/shm or free RAM): train without --cache, or with a smaller --img-size"
+        )
+
+
+def _barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
 class MyDataSet(Dataset):
     """(image, label) pairs from a list of (path, label).
 
@@ -43,11 +132,13 @@ class MyDataSet(Dataset):
     run was resumed, which is what makes resumed and repeated runs exact.
     """
 
-    def __init__(self, samples: Sequence[Sample], transform: v2.Compose, min_size: int, seed: int = 0):
+    def __init__(self, samples: Sequence[Sample], transform: v2.Compose, min_size: int, seed: int = 0,
+                 cache: SharedImageCache | None = None):
         self.samples = list(samples)
         self.transform = transform
         self.min_size = min_size
         self.seed = seed
+        self.cache = cache
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -56,7 +147,7 @@ class MyDataSet(Dataset):
         epoch, index = key if isinstance(key, tuple) else (None, key)
         path, label = self.samples[index]
         try:
-            img = load_rgb(path, self.min_size)
+            img = self.cache.get(path) if self.cache is not None else load_rgb(path, self.min_size)
         except Exception as e:
             # Unreadable files were left out at start-up; this one changed since.
             raise RuntimeError(f"cannot decode {path}: {e}") from e

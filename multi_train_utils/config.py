@@ -56,6 +56,9 @@ def get_args_parser(description: str) -> argparse.ArgumentParser:
     data.add_argument("--num-classes", "--num_classes", type=int, default=None,
                       help="number of classes; inferred from the folders, and checked against them when given")
     data.add_argument("--img-size", type=int, default=224, help="training crop; validation resizes to img/0.875 and crops")
+    data.add_argument("--cache", action=BoolFlag,
+                      help="decode and resize every image once and keep the pixels in shared memory "
+                           "(one copy per machine), so epochs after the first skip JPEG decoding")
     data.add_argument("--workers", type=int, default=None,
                       help="data-loader processes per training process (default: CPUs per process - 1, at most 8)")
 

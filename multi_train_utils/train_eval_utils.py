@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,13 @@ from multi_train_utils.distributed_utils import (
     cpu_count,
     gather_objects,
 )
-from my_dataset import EpochSampler, MyDataSet, build_transform, eval_resize
+from my_dataset import (
+    EpochSampler,
+    MyDataSet,
+    SharedImageCache,
+    build_transform,
+    eval_resize,
+)
 from plots import save_run_plots
 from utils import (
     DataSplit,
@@ -100,9 +107,21 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
         num_workers=workers,
         persistent_workers=workers > 0,
         pin_memory=ctx.device.type == "cuda",
+        # A process started by mp.spawn would also spawn its loader workers, each re-importing
+        # torch (seconds) and receiving a pickled copy of the dataset; forking, Linux's default
+        # everywhere else, shares the parent's memory, the --cache pixels included.
+        multiprocessing_context="fork" if workers > 0 and sys.platform == "linux" else None,
     )
-    train_set = MyDataSet(split.train, build_transform(args.img_size, train=True), args.img_size, args.seed)
-    val_set = MyDataSet(split.val, build_transform(args.img_size, train=False), eval_resize(args.img_size))
+    cache = None
+    if args.cache:
+        started = time.perf_counter()
+        cache = SharedImageCache([p for p, _ in split.train + split.val], eval_resize(args.img_size), ctx)
+        ctx.print0(f"cache: {len(cache.shapes)} images, {cache.nbytes / 2**20:.0f} MiB of shared memory, one copy "
+                   f"for the {ctx.local_world_size} process(es) on this machine, filled in "
+                   f"{time.perf_counter() - started:.1f}s")
+    train_set = MyDataSet(split.train, build_transform(args.img_size, train=True), args.img_size, args.seed, cache)
+    val_set = MyDataSet(split.val, build_transform(args.img_size, train=False), eval_resize(args.img_size),
+                        cache=cache)
     # Every process, the single one included, draws from a DistributedSampler: one code path.
     train_sampler = EpochSampler(
         DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
