@@ -65,7 +65,7 @@ class SharedImageCache:
         self.nbytes = int(self.offsets[-1])
         _check_room(self.nbytes)
         token = broadcast_object(secrets.token_hex(8) if ctx.is_main else None, ctx)
-        path = f"/dev/shm/imgcache-{token}"
+        path = f"/dev/shm/imgcache-{token}-{ctx.rank - ctx.local_rank}"  # one per machine, even two "machines" on one
         creator = ctx.local_rank == 0
         if creator:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -178,6 +178,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args: Any, steps_per_epoch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def set_schedule_position(scheduler: torch.optim.lr_scheduler.LambdaLR, peak_lr: float, steps_done: int) -> None:
+    """Put the schedule where `steps_done` steps of this run's length would have left it."""
+    scheduler.base_lrs = [peak_lr] * len(scheduler.optimizer.param_groups)
+    scheduler.last_epoch = steps_done
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = peak_lr
+        group["lr"] = peak_lr * factor(steps_done)
+
+
 def train_one_epoch(
     model: nn.Module,
     loader: DataLoader,
@@ -351,9 +360,11 @@ def run(plan: Plan, ctx: DistContext) -> None:
     start_epoch, best_acc = 0, -1.0
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
         scaler.load_state_dict(checkpoint["scaler"])
         start_epoch, best_acc = checkpoint["epoch"], checkpoint["best_acc"]
+        # Not the saved scheduler state: it counts steps of the saved world size. The schedule
+        # is a function of epochs done, and the peak follows this run's global batch.
+        set_schedule_position(scheduler, lr, start_epoch * len(train_loader))
         ctx.print0(f"resumed from {resume_path}: {start_epoch} epoch(s) done, best val_acc {best_acc:.4f}")
         del checkpoint
 

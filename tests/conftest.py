@@ -34,8 +34,8 @@ def launcher_cmd(launcher: str, nproc: int = 1) -> list[str]:
 
 def start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a launcher in its own process group, as a shell starts a job."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    full_env.pop("MASTER_PORT", None)
+    full_env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    full_env.update(PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env, start_new_session=True)
 
