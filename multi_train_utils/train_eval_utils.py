@@ -248,21 +248,21 @@ def evaluate(
     model: nn.Module,
     loader: DataLoader,
     ctx: DistContext,
-    amp_dtype: torch.dtype | None = None,
     memory_format: torch.memory_format = torch.contiguous_format,
 ) -> dict[str, float]:
     """Exact accuracy and mean loss over the whole validation split: each rank sees a
-    disjoint shard without padding, so every image counts exactly once."""
+    disjoint shard without padding, so every image counts exactly once. Always in fp32: it is
+    a small share of the time, and bf16 rounding could differ with the batch composition,
+    which changes with the world size, and flip a borderline image."""
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     criterion = nn.CrossEntropyLoss(reduction="sum")
     for images, labels in loader:
         images = images.to(ctx.device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(ctx.device, non_blocking=True)
-        with torch.autocast(ctx.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(images)
+        logits = model(images)
         sums += torch.stack([
-            criterion(logits.float(), labels).double(),
+            criterion(logits, labels).double(),
             (logits.argmax(1) == labels).sum().double(),
             sums.new_tensor(labels.numel()),
         ])
@@ -287,6 +287,20 @@ def restore_metrics(path: Path, completed_epochs: int) -> None:
         except (ValueError, KeyError, TypeError):
             pass  # a line cut short by a kill mid-append
     path.write_text("".join(line + "\n" for line in kept))
+
+
+def save_epoch(output_dir: Path, checkpoint: dict[str, Any], record: dict[str, Any], is_best: bool,
+               writer: SummaryWriter) -> None:
+    """Rank 0's files for one epoch. The checkpoint goes first: metrics.jsonl never mentions
+    an epoch that a resumed run would train again."""
+    save_atomic(checkpoint, output_dir / "last.pth")
+    if is_best:
+        copy_atomic(output_dir / "last.pth", output_dir / "best.pth")
+    with open(output_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    for key in ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "train_images_per_sec"):
+        writer.add_scalar(key, record[key], record["epoch"])
+    writer.flush()
 
 
 def resolve_resume(plan: Plan, output_dir: Path, ctx: DistContext) -> str | None:
@@ -336,7 +350,7 @@ def run(plan: Plan, ctx: DistContext) -> None:
     train_loader, val_loader = build_loaders(split, plan, ctx)
 
     if args.eval_only:
-        result = evaluate(model, val_loader, ctx, amp_dtype, memory_format)
+        result = evaluate(model, val_loader, ctx, memory_format)
         source = resume_path or args.weights
         ctx.print0(f"eval {source}: acc {result['val_acc']:.4f} ({result['val_correct']}/{result['val_total']}), "
                    f"loss {result['val_loss']:.4f}")
@@ -383,7 +397,7 @@ def run(plan: Plan, ctx: DistContext) -> None:
                                     args.epochs, amp_dtype, memory_format)
             train_seconds = time.perf_counter() - started
             broadcast_buffers(model_without_ddp, ctx)
-            val = evaluate(model_without_ddp, val_loader, ctx, amp_dtype, memory_format)
+            val = evaluate(model_without_ddp, val_loader, ctx, memory_format)
             record = {
                 "epoch": epoch,
                 "train_loss": train["train_loss"],
@@ -400,27 +414,18 @@ def run(plan: Plan, ctx: DistContext) -> None:
             is_best = val["val_acc"] > best_acc
             best_acc = max(best_acc, val["val_acc"])
             if ctx.is_main:
-                save_atomic(
-                    {
-                        "model": model_without_ddp.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "scaler": scaler.state_dict(),
-                        "epoch": epoch,
-                        "best_acc": best_acc,
-                        "args": vars(args),
-                        "class_names": split.class_names,
-                        "world_size": ctx.world_size,
-                    },
-                    output_dir / "last.pth",
-                )
-                if is_best:
-                    copy_atomic(output_dir / "last.pth", output_dir / "best.pth")
-                with open(output_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                for key in ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "train_images_per_sec"):
-                    writer.add_scalar(key, record[key], epoch)
-                writer.flush()
+                checkpoint = {
+                    "model": model_without_ddp.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "scaler": scaler.state_dict(),
+                    "epoch": epoch,
+                    "best_acc": best_acc,
+                    "args": vars(args),
+                    "class_names": split.class_names,
+                    "world_size": ctx.world_size,
+                }
+                save_epoch(output_dir, checkpoint, record, is_best, writer)
                 print(
                     f"epoch {epoch}/{args.epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "
                     f"val loss {val['val_loss']:.4f} acc {val['val_acc']:.4f} ({val['val_correct']}/{val['val_total']})"

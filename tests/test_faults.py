@@ -110,11 +110,14 @@ def test_killed_while_saving_leaves_a_whole_checkpoint(tmp_path):
     """SIGKILL a process that does nothing but save, at random moments: the file on disk is
     always one whole checkpoint, never a torn mix or a truncated write."""
     path = tmp_path / "last.pth"
-    ctx = multiprocessing.get_context("fork")
+    # spawn, not fork: a fork of this multi-threaded test process can inherit a held lock and hang.
+    ctx = multiprocessing.get_context("spawn")
     for _ in range(8):
         writer = ctx.Process(target=_save_forever, args=(str(path),))
         writer.start()
+        deadline = time.monotonic() + 60
         while not path.exists():  # the first save must have landed before a kill means anything
+            assert writer.is_alive() and time.monotonic() < deadline, "the writer never saved"
             time.sleep(0.01)
         time.sleep(random.uniform(0.0, 0.5))
         os.kill(writer.pid, signal.SIGKILL)
