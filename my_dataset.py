@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torchvision.io import ImageReadMode, decode_jpeg, read_file
 from torchvision.transforms import v2
+from torchvision.transforms.v2.functional import pil_to_tensor
 
 from multi_train_utils.distributed_utils import DistContext, broadcast_object
 from utils import Sample, UserError, load_rgb
@@ -28,17 +30,35 @@ def eval_resize(img_size: int) -> int:
     return round(img_size / 0.875)  # 224 -> 256, the usual ImageNet evaluation ratio
 
 
+def decode(path: str, min_size: int) -> torch.Tensor:
+    """An upright RGB picture as a uint8 CHW tensor, by the fastest way for this file.
+
+    Measured by `benchmark.py data` (README, Performance): torchvision's decode_jpeg reads
+    flower-sized JPEGs faster than PIL; a JPEG at least twice the size needed is cheaper
+    still through PIL's draft mode, which decodes it at 1/2 to 1/8 scale. Everything else,
+    and any JPEG that libjpeg refuses, goes through PIL.
+    """
+    with Image.open(path) as img:  # reads the header only
+        small_jpeg = img.format == "JPEG" and min(img.size) < 2 * min_size
+    if small_jpeg:
+        try:
+            return decode_jpeg(read_file(path), mode=ImageReadMode.RGB, apply_exif_orientation=True)
+        except RuntimeError:
+            pass
+    return pil_to_tensor(load_rgb(path, min_size))
+
+
 def build_transform(img_size: int, train: bool) -> v2.Compose:
-    # Crop and resize run on the PIL image, before the float conversion, so they touch
-    # one byte per channel on a small picture instead of four on a large one.
+    """Takes uint8 tensors (or PIL images). Crop and resize run on uint8, before the float
+    conversion: one byte per channel, on the large picture, instead of four."""
     if train:
         geometry = [v2.RandomResizedCrop(img_size, antialias=True), v2.RandomHorizontalFlip()]
     else:
         geometry = [v2.Resize(eval_resize(img_size), antialias=True), v2.CenterCrop(img_size)]
     return v2.Compose(
         [
+            v2.PILToTensor(),  # PIL input only; tensors pass through
             *geometry,
-            v2.PILToTensor(),
             v2.ToDtype(torch.float32, scale=True),
             v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]
@@ -147,7 +167,7 @@ class MyDataSet(Dataset):
         epoch, index = key if isinstance(key, tuple) else (None, key)
         path, label = self.samples[index]
         try:
-            img = self.cache.get(path) if self.cache is not None else load_rgb(path, self.min_size)
+            img = self.cache.get(path) if self.cache is not None else decode(path, self.min_size)
         except Exception as e:
             # Unreadable files were left out at start-up; this one changed since.
             raise RuntimeError(f"cannot decode {path}: {e}") from e

@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader, Dataset
 from model import create_model
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.distributed_utils import cpu_count, resolve_device
-from my_dataset import build_transform, eval_resize
-from utils import IMG_EXTENSIONS, UserError, exit_on_error, load_rgb
+from my_dataset import build_transform, decode, eval_resize
+from utils import IMG_EXTENSIONS, UserError, exit_on_error
 
 
 def find_images(inputs: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
@@ -61,7 +61,7 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, str]:
         try:
-            return self.transform(load_rgb(self.paths[index], eval_resize(self.img_size))), ""
+            return self.transform(decode(self.paths[index], eval_resize(self.img_size))), ""
         except Exception as e:  # noqa: BLE001 -- PIL raises OSError, SyntaxError, DecompressionBombError...
             return torch.zeros(3, self.img_size, self.img_size), f"{type(e).__name__}: {e}"
 
