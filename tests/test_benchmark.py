@@ -1,0 +1,106 @@
+"""benchmark.py run for real, tiny: every subcommand on the bundled photos, its JSON and its PNG."""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from conftest import SAMPLE, ok, run_cli
+from PIL import Image
+
+import benchmark
+
+TINY = ["--data-path", str(SAMPLE), "--img-size", "32"]
+THROUGHPUT = [sys.executable, "benchmark.py", "throughput", *TINY, "--steps", "2", "--warmup", "1", "--repeats", "1"]
+MEASUREMENT_KEYS = {"config", "world_size", "input", "images_per_sec", "median_step_seconds", "step_seconds",
+                    "first_step_seconds", "first_batch_seconds", "warmup_excess_seconds", "setup_seconds",
+                    "steps_timed", "vm_hwm_mb_per_rank", "peak_pss_mb", "steady_peak_pss_mb", "repeat",
+                    "load_average"}
+
+
+def check_png(path) -> None:
+    with Image.open(path) as img:
+        assert img.format == "PNG" and img.width >= 400 and img.height >= 300
+        assert np.asarray(img.convert("RGB")).std() > 10, f"{path} looks blank"
+
+
+def summary_row(result: dict, config: str, world_size: int, kind: str) -> dict:
+    return next(r for r in result["summary"] if (r["config"], r["world_size"], r["input"]) == (config, world_size, kind))
+
+
+def test_throughput_one_process(tmp_path):
+    out = tmp_path / "throughput.json"
+    result = ok(run_cli([*THROUGHPUT, "--configs", "seed", "ours", "--world-sizes", "1", "--out", str(out)]))
+    assert "| seed | 1 | " in result.stdout and "| ours | 1 | " in result.stdout  # the markdown table
+    data = json.loads(out.read_text())
+    assert data["command"].startswith("python benchmark.py throughput")
+    machine = data["machine"]
+    assert machine["cores"] >= 1 and machine["torch"] and machine["torchvision"] and "cpu_model" in machine
+    assert len(data["load_average"]["start"]) == 3 and len(data["load_average"]["end"]) == 3
+    assert data["settings"]["img_size"] == 32 and data["settings"]["train_images"] == 95
+    assert len(data["measurements"]) == 4  # seed and ours, synthetic and real, one repetition
+    for m in data["measurements"]:
+        assert "error" not in m, m
+        assert MEASUREMENT_KEYS <= m.keys()
+        assert m["images_per_sec"] > 0 and m["peak_pss_mb"] > 100
+        assert len(m["step_seconds"]) == 1 and len(m["step_seconds"][0]) == 3  # warm-up + timed steps
+    for config in ("seed", "ours"):
+        real = summary_row(data, config, 1, "real")
+        assert real["loader_images_per_sec"] > 0 and real["epoch_seconds_extrapolated"] > 0
+        assert summary_row(data, config, 1, "synthetic")["images_per_sec"] > 0
+    ours = summary_row(data, "ours", 1, "real")
+    # vs_seed comes from unrounded rates; the rates in the summary are rounded
+    assert ours["vs_seed"] == pytest.approx(ours["images_per_sec"] / summary_row(data, "seed", 1, "real")["images_per_sec"],
+                                            rel=1e-2)
+    check_png(out.with_suffix(".png"))
+
+
+def test_throughput_two_processes(tmp_path):
+    out = tmp_path / "throughput.json"
+    ok(run_cli([*THROUGHPUT, "--configs", "ours", "--world-sizes", "2", "--no-synthetic", "--out", str(out)]))
+    data = json.loads(out.read_text())
+    (m,) = data["measurements"]
+    assert "error" not in m, m
+    assert m["world_size"] == 2 and m["threads_per_process"] >= 1
+    assert len(m["step_seconds"]) == 2 and len(m["vm_hwm_mb_per_rank"]) == 2  # rank 0 collected both
+    # 48 images per process make 3 batches of 16: all of one epoch, warm-up included.
+    assert m["steps_timed"] == 2
+    per_rank = [16 * 2 / sum(steps[1:]) for steps in m["step_seconds"]]
+    assert abs(m["images_per_sec"] - sum(per_rank)) < 1e-6 * m["images_per_sec"]
+    check_png(out.with_suffix(".png"))
+
+
+def test_missing_option_is_skipped_with_a_reason(monkeypatch):
+    monkeypatch.setitem(benchmark.OURS_OPTIONS, "ours-future", ["--no-such-option"])
+    assert "--no-such-option" in benchmark.missing_option("ours-future")
+    assert benchmark.missing_option("ours") is None and benchmark.missing_option("seed") is None
+
+
+def test_data_paths(tmp_path):
+    out = tmp_path / "data.json"
+    result = ok(run_cli([sys.executable, "benchmark.py", "data", *TINY, "--images", "10", "--repeats", "1",
+                         "--out", str(out)]))
+    data = json.loads(out.read_text())
+    assert data["settings"]["images"] == 10
+    names = [p["path"] for p in data["paths"]]
+    assert "PIL draft + v2 on PIL (ours)" in names and "decode_jpeg + v2 on uint8 tensor" in names
+    assert all(p["images_per_sec"] > 0 for p in data["paths"])
+    assert data["fastest"] in names and not data["fastest"].startswith("decode:")
+    assert f"fastest decode + transform: {data['fastest']}" in result.stdout
+
+
+def test_accuracy(tmp_path):
+    out = tmp_path / "accuracy.json"
+    ok(run_cli([sys.executable, "benchmark.py", "accuracy", *TINY, "--epochs", "1", "--out", str(out),
+                "--runs-dir", str(tmp_path / "runs")]))
+    data = json.loads(out.read_text())
+    assert set(data["recipes"]) == {"seed", "ours"}
+    assert data["settings"]["train_images"] == 95 and data["settings"]["val_images"] == 25
+    for recipe in data["recipes"].values():
+        assert len(recipe["val_acc_per_epoch"]) == 1 and 0 <= recipe["final_val_acc"] <= 1
+        assert recipe["wall_seconds"] > 0 and recipe["epochs"][0]["val_total"] == 25  # the same split for both
+    assert data["points_above_seed"]["ours"] == round(
+        100 * (data["recipes"]["ours"]["final_val_acc"] - data["recipes"]["seed"]["final_val_acc"]), 2)
+    assert (tmp_path / "runs" / "ours" / "metrics.jsonl").is_file()  # ours ran through the real launcher
+    check_png(out.with_suffix(".png"))
