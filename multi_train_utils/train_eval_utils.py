@@ -205,6 +205,7 @@ def train_one_epoch(
     set_train_mode(model)
     device = ctx.device
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, images
+    images_seen = 0
     first_bad = torch.full((), NO_BAD_STEP, dtype=torch.int64, device=device)
     # Bars on rank 0 only, and only on a terminal (disable=None): logs stay free of them.
     bar = tqdm(loader, desc=f"epoch {epoch}/{epochs}", disable=None if ctx.is_main else True, leave=False,
@@ -224,7 +225,9 @@ def train_one_epoch(
 
         loss = loss.detach()
         n = labels.numel()
-        sums += torch.stack([loss.double() * n, (logits.argmax(1) == labels).sum().double(), sums.new_tensor(n)])
+        # The count is known on the host; putting it in a device tensor every step would be a copy to the GPU.
+        sums[:2] += torch.stack([loss.double() * n, (logits.argmax(1) == labels).sum().double()])
+        images_seen += n
         # Remember the first non-finite step on the device; no sync here.
         first_bad = torch.where(~torch.isfinite(loss) & (first_bad == NO_BAD_STEP), step + 1, first_bad)
         if (step + 1) % CHECK_EVERY == 0 or step + 1 == steps:
@@ -235,10 +238,12 @@ def train_one_epoch(
                     "lower --lr, or check the data"
                 )
             if ctx.is_main:
-                loss_sum, correct, count = sums.tolist()
+                loss_sum, correct = sums[:2].tolist()
+                count = images_seen
                 bar.set_postfix(loss=f"{loss_sum / count:.4f}", acc=f"{correct / count:.3f}",
                                 lr=f"{optimizer.param_groups[0]['lr']:.2e}", refresh=False)
     bar.close()
+    sums[2] = images_seen  # once per epoch
     loss_sum, correct, count = all_reduce_sum(sums, ctx).tolist()
     return {"train_loss": loss_sum / count, "train_acc": correct / count, "train_images": int(count)}
 
@@ -255,17 +260,19 @@ def evaluate(
     a small share of the time, and bf16 rounding could differ with the batch composition,
     which changes with the world size, and flip a borderline image."""
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)
+    sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, images
+    images_seen = 0
     criterion = nn.CrossEntropyLoss(reduction="sum")
     for images, labels in loader:
         images = images.to(ctx.device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(ctx.device, non_blocking=True)
         logits = model(images)
-        sums += torch.stack([
+        sums[:2] += torch.stack([
             criterion(logits, labels).double(),
             (logits.argmax(1) == labels).sum().double(),
-            sums.new_tensor(labels.numel()),
         ])
+        images_seen += labels.numel()
+    sums[2] = images_seen
     loss_sum, correct, count = all_reduce_sum(sums, ctx).tolist()
     return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_correct": int(correct), "val_total": int(count)}
 
