@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from my_dataset import IMAGENET_MEAN, IMAGENET_STD, MyDataSet, build_transform
+from my_dataset import MyDataSet, build_transform
 from utils import (
     DataSplit,
     UserError,
@@ -108,11 +108,9 @@ def plot_augmented_samples(split: DataSplit, img_size: int, seed: int, path: Pat
     rows = -(-count // columns)
     fig = Figure(figsize=(2.2 * columns, 2.4 * rows), layout="constrained")
     axes = fig.subplots(rows, columns, squeeze=False).flat
-    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
     for ax, index in zip(axes, indices):
-        image, label = dataset[(1, index)]
-        ax.imshow((image * std + mean).clamp(0, 1).permute(1, 2, 0).numpy())
+        image, label = dataset[(1, index)]  # uint8 pixels: normalising happens later, on the device
+        ax.imshow(image.permute(1, 2, 0).numpy())
         ax.set_title(split.class_names[label], fontsize=9)
     for ax in fig.axes:
         ax.axis("off")

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from model import create_model
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.distributed_utils import cpu_count, resolve_device
-from my_dataset import build_transform, decode, eval_resize
+from my_dataset import build_transform, decode, eval_resize, normalize
 from utils import IMG_EXTENSIONS, UserError, exit_on_error
 
 
@@ -63,7 +63,7 @@ class ImageFiles(Dataset):
         try:
             return self.transform(decode(self.paths[index], eval_resize(self.img_size))), ""
         except Exception as e:  # noqa: BLE001 -- PIL raises OSError, SyntaxError, DecompressionBombError...
-            return torch.zeros(3, self.img_size, self.img_size), f"{type(e).__name__}: {e}"
+            return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), f"{type(e).__name__}: {e}"
 
 
 def predict(
@@ -81,7 +81,7 @@ def predict(
     done = 0
     with torch.inference_mode():
         for images, errors in loader:
-            probs = model(images.to(device, non_blocking=True)).float().softmax(1)
+            probs = model(normalize(images.to(device, non_blocking=True))).float().softmax(1)
             values, indices = probs.topk(top_k, dim=1)
             for path, error, row_values, row_indices in zip(
                 paths[done : done + len(errors)], errors, values.tolist(), indices.tolist()

@@ -6,9 +6,21 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from conftest import SAMPLE, copy_sample, metrics, ok, train
 from PIL import Image
+from torchvision.transforms import v2
 
+from multi_train_utils import train_eval_utils
+from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.train_eval_utils import model_input
+from my_dataset import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    MyDataSet,
+    build_transform,
+    normalize,
+)
 from utils import UserError, find_unreadable, list_images, load_rgb, split_samples
 
 A_JPEG = sorted((SAMPLE / "daisy").glob("*.jpg"))[0]
@@ -140,3 +152,33 @@ def test_training_on_a_folder_of_odd_and_broken_images(tmp_path):
     record = metrics(out)[0]
     assert record["train_total"] + record["val_total"] == 12 + len(odd)
 
+
+
+def test_pixels_stay_uint8_until_the_device_normalises_the_batch():
+    """Workers hand over uint8 pixels; `normalize`, run on the batch, gives what torchvision's
+    float conversion and Normalize give, in the memory format the batch has."""
+    _, samples = list_images(str(SAMPLE))
+    dataset = MyDataSet(samples[::30], build_transform(64, train=True), 64, seed=0)
+    pixels = torch.stack([dataset[(1, i)][0] for i in range(len(dataset))])
+    assert pixels.dtype == torch.uint8 and pixels.shape == (len(dataset), 3, 64, 64)
+    expected = v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)(v2.ToDtype(torch.float32, scale=True)(pixels))
+    for layout in (torch.contiguous_format, torch.channels_last):
+        batch = model_input(pixels, torch.device("cpu"), layout)
+        assert batch.dtype == torch.float32 and batch.is_contiguous(memory_format=layout)
+        torch.testing.assert_close(batch, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(normalize(pixels), expected, rtol=0, atol=1e-5)
+    already = torch.randn(2, 3, 8, 8, dtype=torch.float64)  # synthetic input: taken as it is
+    assert model_input(already, torch.device("cpu"), torch.contiguous_format) is already
+
+
+@pytest.mark.parametrize("device, cores, local_processes, expected", [
+    ("cuda", 16, 1, 15),  # a GPU takes every spare core: it trains faster than 8 cores decode
+    ("cuda", 64, 8, 7),
+    ("cpu", 16, 1, 8),  # the CPU step uses every core itself; a few workers keep ahead
+    ("cpu", 2, 1, 1),
+    ("cpu", 2, 2, 1),
+])
+def test_default_loader_workers(monkeypatch, device, cores, local_processes, expected):
+    monkeypatch.setattr(train_eval_utils, "cpu_count", lambda: cores)
+    ctx = DistContext(0, 0, local_processes, local_processes, torch.device(device), local_processes > 1)
+    assert train_eval_utils.default_workers(ctx) == expected

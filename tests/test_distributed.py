@@ -29,7 +29,7 @@ from multi_train_utils.train_eval_utils import (
     build_scheduler,
     train_one_epoch,
 )
-from my_dataset import MyDataSet, build_transform
+from my_dataset import MyDataSet, build_transform, normalize
 from utils import list_images
 
 METRIC_KEYS = {"epoch", "train_loss", "train_total", "val_loss", "val_acc", "val_correct", "val_total", "lr",
@@ -97,7 +97,7 @@ def _real_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     picked = samples[:: len(samples) // size][:size]
     ds = MyDataSet(picked, build_transform(32, train=False), 32)
     images, labels = zip(*(ds[i] for i in range(size)))
-    return torch.stack(images).double(), torch.tensor(labels)
+    return normalize(torch.stack(images)).double(), torch.tensor(labels)
 
 
 def _step(model, ctx, images, labels, model_without_ddp=None):
