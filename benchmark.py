@@ -62,7 +62,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 from torchvision import transforms as v1
 from torchvision.io import ImageReadMode, decode_jpeg, read_file
-from torchvision.transforms.v2.functional import pil_to_tensor
+from torchvision.transforms import v2
 
 from model import create_model
 from multi_train_utils.config import BoolFlag, Plan, get_args_parser, prepare
@@ -77,15 +77,14 @@ from multi_train_utils.distributed_utils import (
     teardown,
 )
 from multi_train_utils.train_eval_utils import (
-    autocast_dtype,
     build_loaders,
-    build_optimizer,
-    build_scheduler,
+    build_training,
     evaluate,
+    peak_lr,
+    place_model,
     readable_split,
-    train_one_epoch,
 )
-from my_dataset import IMAGENET_MEAN, IMAGENET_STD, build_transform, eval_resize
+from my_dataset import IMAGENET_MEAN, IMAGENET_STD, build_transform, decode, eval_resize
 from plots import _figure_class, read_metrics
 from train_multi_gpu_using_spawn import loopback_interface, stop
 from utils import (
@@ -255,31 +254,15 @@ def build_trainer(job: Job, ctx: DistContext) -> Trainer:
         return Trainer(lambda batches: seed_train_one_epoch(model, optimizer, batches, ctx, 1), torch.contiguous_format,
                        loader, sampler.set_epoch if sampler else _no_epoch)
 
-    # Ours, assembled as multi_train_utils.train_eval_utils.run assembles it.
+    # Ours, assembled by the same functions as multi_train_utils.train_eval_utils.run.
     loader = build_loaders(split, job.plan, ctx)[0] if real else None
     torch.manual_seed(args.seed)
     model = create_model(len(split.class_names))
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    model.to(ctx.device, memory_format=memory_format)
-    amp_dtype = autocast_dtype(args.amp, ctx.device)
-    if ctx.device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    model_without_ddp = model
-    if ctx.distributed:
-        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    if args.compile:
-        model = torch.compile(model)
-    global_batch = args.batch_size * ctx.world_size
-    optimizer = build_optimizer(model_without_ddp, args, args.lr * global_batch / 256)
-    scheduler = build_scheduler(optimizer, args, max(1, len(split.train) // global_batch))
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
-    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-
-    def train(batches: Iterable) -> Any:
-        return train_one_epoch(model, batches, criterion, optimizer, scheduler, scaler, ctx, 1, 1, amp_dtype,
-                               memory_format)
-
-    return Trainer(train, memory_format, loader, loader.sampler.set_epoch if loader else _no_epoch)
+    memory_format, amp_dtype = place_model(model, args, ctx)
+    steps_per_epoch = max(1, len(split.train) // (args.batch_size * ctx.world_size))
+    training = build_training(model, args, ctx, peak_lr(args, ctx), steps_per_epoch, memory_format, amp_dtype)
+    return Trainer(lambda batches: training.train_one_epoch(batches, ctx, 1, 1), memory_format, loader,
+                   loader.sampler.set_epoch if loader else _no_epoch)
 
 
 def _no_epoch(epoch: int) -> None:
@@ -287,10 +270,15 @@ def _no_epoch(epoch: int) -> None:
 
 
 def synthetic_batches(job: Job, ctx: DistContext, memory_format: torch.memory_format) -> Iterator:
-    """One random batch, already on the device in the model's layout, served forever."""
+    """One random batch, already on the device in the model's layout, served forever: floats
+    for the seed (its workers normalise), uint8 pixels for ours (normalised in the step)."""
     args = job.plan.args
     generator = torch.Generator().manual_seed(ctx.rank)
-    images = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=generator)
+    shape = (args.batch_size, 3, args.img_size, args.img_size)
+    if job.config == "seed":
+        images = torch.randn(shape, generator=generator)
+    else:
+        images = torch.randint(256, shape, generator=generator, dtype=torch.uint8)
     labels = torch.randint(len(job.split.class_names), (args.batch_size,), generator=generator)
     batch = (images.to(ctx.device).contiguous(memory_format=memory_format), labels.to(ctx.device))
     return itertools.repeat(batch)
@@ -786,7 +774,10 @@ def data_paths(args: argparse.Namespace) -> dict[str, Any]:
     for p in paths:
         Path(p).read_bytes()  # into the page cache, so the first path timed does not pay for the disk
     size = args.img_size
-    v2_train = build_transform(size, train=True)  # the project's; takes PIL images and uint8 tensors alike
+    v2_train = build_transform(size, train=True)  # the project's: PIL to uint8 tensor first, then the geometry
+    on_pil = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor()])
+    # What ours' workers did before normalising moved to the device: worth a row of its own.
+    to_float = v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
     v1_train = seed_transforms(size)[0]
 
     def pil(path: str) -> Image.Image:
@@ -800,12 +791,14 @@ def data_paths(args: argparse.Namespace) -> dict[str, Any]:
         "decode: PIL": pil,
         "decode: PIL draft (load_rgb)": lambda p: load_rgb(p, size),
         "decode: torchvision.io.decode_jpeg": tensor_jpeg,
-        "seed: PIL + v1 on PIL": lambda p: v1_train(pil(p)),
-        "PIL + v2 on PIL": lambda p: v2_train(pil(p)),
-        "PIL + v2 on uint8 tensor": lambda p: v2_train(pil_to_tensor(pil(p))),
-        "PIL draft + v2 on PIL (ours)": lambda p: v2_train(load_rgb(p, size)),
-        "PIL draft + v2 on uint8 tensor": lambda p: v2_train(pil_to_tensor(load_rgb(p, size))),
+        "seed: PIL + v1 on PIL + float, normalise": lambda p: v1_train(pil(p)),
+        "PIL + v2 on PIL": lambda p: on_pil(pil(p)),
+        "PIL + v2 on uint8 tensor": lambda p: v2_train(pil(p)),
+        "PIL draft + v2 on PIL": lambda p: on_pil(load_rgb(p, size)),
+        "PIL draft + v2 on uint8 tensor": lambda p: v2_train(load_rgb(p, size)),
         "decode_jpeg + v2 on uint8 tensor": lambda p: v2_train(tensor_jpeg(p)),
+        "decode_jpeg + v2 on uint8 tensor + float, normalise": lambda p: to_float(v2_train(tensor_jpeg(p))),
+        "decode() + v2 on uint8 tensor (ours)": lambda p: v2_train(decode(p, size)),
     }
     times: dict[str, list[float]] = {name: [] for name in pipelines}
     for repeat in range(args.repeats):
@@ -828,7 +821,10 @@ def data_paths(args: argparse.Namespace) -> dict[str, Any]:
         "command": command_line(),
         "machine": machine_info(args.machine),
         "settings": {"data_path": args.data_path, "images": len(paths), "img_size": size, "repeats": args.repeats,
-                     "threads": 1, "transform": "RandomResizedCrop + RandomHorizontalFlip + to float + Normalize"},
+                     "threads": 1,
+                     "transform": "RandomResizedCrop + RandomHorizontalFlip, giving uint8 pixels; rows marked "
+                                  "'float, normalise' also convert and normalise in the worker, as the seed does "
+                                  "(ours does it on the device, per batch)"},
         "load_average": {"start": load_start, "end": os.getloadavg()},
         "wall_seconds": round(time.time() - started, 1),
         "paths": rows,
@@ -879,13 +875,15 @@ def train_seed(args: argparse.Namespace, split: DataSplit, log: Callable[[str], 
     return records
 
 
-def train_ours(data_path: str, img_size: int, epochs: int, options: list[str], out_dir: Path) -> list[dict[str, Any]]:
-    """Our defaults (plus `options`) through the real launcher; its metrics.jsonl is the result."""
-    cmd = [sys.executable, "train_single_gpu.py", "--data-path", data_path, "--img-size", str(img_size),
-           "--epochs", str(epochs), "--output-dir", str(out_dir), *options]
-    print("$ " + shlex.join(cmd), flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    return read_metrics(out_dir)
+def train_ours(args: argparse.Namespace, options: list[str], out_dir: Path) -> tuple[list[dict[str, Any]], str]:
+    """Our defaults (plus `options`) through the real launcher, on the settings the seed recipe
+    gets; its metrics.jsonl is the result. Returns that and the command, as a user would type it."""
+    cmd = ["train_single_gpu.py", "--data-path", args.data_path, "--img-size", str(args.img_size),
+           "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
+           "--output-dir", str(out_dir), *options]
+    print("$ " + shlex.join(["python", *cmd]), flush=True)
+    subprocess.run([sys.executable, *cmd], cwd=ROOT, check=True)
+    return read_metrics(out_dir), shlex.join(["python", *cmd])
 
 
 def recipe_summary(records: list[dict[str, Any]], wall_seconds: float, command: str) -> dict[str, Any]:
@@ -907,7 +905,8 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
     started = time.time()
     load_start = os.getloadavg()
     runs_dir = Path(args.runs_dir or f"runs/benchmark-accuracy-{time.strftime('%Y%m%d-%H%M%S')}")
-    ours_defaults = ours_args(args.data_path, args.img_size, args.batch_size, ["--epochs", str(args.epochs)])
+    ours_defaults = ours_args(args.data_path, args.img_size, args.batch_size,
+                              ["--epochs", str(args.epochs), "--seed", str(args.seed)])
     plan = prepare(ours_defaults, "benchmark", verbose=False)
     split = readable_split(plan, DistContext(0, 0, 1, 1, torch.device("cpu"), False))
     recipes: dict[str, dict[str, Any]] = {}
@@ -920,9 +919,7 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
     for name, options in variants:
         out_dir = runs_dir / name.replace(" ", "").replace("--", "_")
         t0 = time.perf_counter()
-        records = train_ours(args.data_path, args.img_size, args.epochs, options, out_dir)
-        cmd = shlex.join(["python", "train_single_gpu.py", "--data-path", args.data_path, "--img-size",
-                          str(args.img_size), "--epochs", str(args.epochs), "--output-dir", str(out_dir), *options])
+        records, cmd = train_ours(args, options, out_dir)
         recipes[name] = recipe_summary(records, time.perf_counter() - t0, cmd)
     result: dict[str, Any] = {
         "benchmark": "accuracy",
@@ -1050,6 +1047,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(a, "docs/benchmark/accuracy.json", 128)
     a.add_argument("--epochs", type=int, default=20)
     a.add_argument("--batch-size", type=int, default=16)
+    a.add_argument("--seed", type=int, default=0, help="initial weights, split and augmentation, for both recipes")
     a.add_argument("--variant", action="append", default=[], metavar="OPTIONS",
                    help="also train ours with these extra options, e.g. --variant '--lr 0.2' (repeatable)")
     a.add_argument("--skip-seed", action="store_true", help="train only ours and its variants")

@@ -84,7 +84,7 @@ def test_data_paths(tmp_path):
     data = json.loads(out.read_text())
     assert data["settings"]["images"] == 10
     names = [p["path"] for p in data["paths"]]
-    assert "PIL draft + v2 on PIL (ours)" in names and "decode_jpeg + v2 on uint8 tensor" in names
+    assert "decode() + v2 on uint8 tensor (ours)" in names and "PIL + v2 on PIL" in names
     assert all(p["images_per_sec"] > 0 for p in data["paths"])
     assert data["fastest"] in names and not data["fastest"].startswith("decode:")
     assert f"fastest decode + transform: {data['fastest']}" in result.stdout
@@ -93,8 +93,11 @@ def test_data_paths(tmp_path):
 def test_accuracy(tmp_path):
     out = tmp_path / "accuracy.json"
     ok(run_cli([sys.executable, "benchmark.py", "accuracy", *TINY, "--epochs", "1", "--out", str(out),
-                "--runs-dir", str(tmp_path / "runs")]))
+                "--batch-size", "8", "--seed", "3", "--runs-dir", str(tmp_path / "runs")]))
     data = json.loads(out.read_text())
+    assert data["settings"]["batch_size"] == 8 and data["settings"]["seed"] == 3
+    ours_config = json.loads((tmp_path / "runs" / "ours" / "config.json").read_text())
+    assert ours_config["batch_size"] == 8 and ours_config["seed"] == 3  # both recipes got them
     assert set(data["recipes"]) == {"seed", "ours"}
     assert data["settings"]["train_images"] == 95 and data["settings"]["val_images"] == 25
     for recipe in data["recipes"].values():
