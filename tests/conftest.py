@@ -115,3 +115,20 @@ def processes_with_marker(marker: str) -> list[int]:
             except OSError:
                 pass
     return found
+
+
+def describe_processes(pids: list[int]) -> str:
+    """One line per process (pid, state, what the kernel has it waiting in, command line): what
+    a test prints when a job stalls, to tell a deadlock from a slow machine."""
+    lines = []
+    for pid in pids:
+        proc = Path(f"/proc/{pid}")
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            wchan = (proc / "wchan").read_text() or "-"
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+            cpu_seconds = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            continue
+        lines.append(f"  pid {pid} state {stat[0]} in {wchan}, {cpu_seconds:.1f}s of CPU: {cmdline}")
+    return "\n".join(lines)

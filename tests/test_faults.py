@@ -20,6 +20,7 @@ from conftest import (
     FAST,
     SAMPLE,
     copy_sample,
+    describe_processes,
     kill_group,
     launcher_cmd,
     metrics,
@@ -45,15 +46,21 @@ STOP_WITHIN = 20
 def start_job(launcher: str, out: Path, *extra: str, nproc: int = 2, data: Path = SAMPLE):
     marker = uuid.uuid4().hex
     cmd = launcher_cmd(launcher, nproc) + ["--data-path", str(data), "--output-dir", str(out), *FAST, *extra]
-    return start(cmd, env={"TEST_JOB_MARKER": marker}), marker
+    proc = start(cmd, env={"TEST_JOB_MARKER": marker})
+    proc.marker = marker
+    return proc, marker
 
 
 def wait_for_epochs(proc, out: Path, epochs: int, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= epochs):
         if proc.poll() is not None or time.monotonic() > deadline:
+            marker = getattr(proc, "marker", None)  # set by start_job
+            states = describe_processes(processes_with_marker(marker)) if marker else ""
             kill_group(proc)
-            raise AssertionError(f"the job ended or stalled before epoch {epochs}:\n{proc.communicate()[1][-3000:]}")
+            stdout, stderr = proc.communicate()
+            raise AssertionError(f"the job ended or stalled before epoch {epochs}:\n{states}\n"
+                                 f"stdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-3000:]}")
         time.sleep(0.05)
 
 
