@@ -101,8 +101,8 @@ def default_workers(ctx: DistContext) -> int:
     # Leave one core of this process's share to the training loop itself.
     spare = cpu_count() // ctx.local_world_size - 1
     if ctx.device.type == "cuda":
-        # A GPU trains faster than ten cores decode (README, Performance: about 1,000 JPEGs/s
-        # per core against a target of 8,000 images/s per GPU), so the loader gets every spare core.
+        # One core decodes and augments about 900 images/s (README, Performance); a GPU is
+        # meant to train 8,000/s. So the loader gets every spare core.
         return max(1, spare)
     # On the CPU the training step itself runs on every core; workers only stay a few batches ahead.
     return max(1, min(8, spare))
