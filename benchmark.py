@@ -84,7 +84,14 @@ from multi_train_utils.train_eval_utils import (
     place_model,
     readable_split,
 )
-from my_dataset import IMAGENET_MEAN, IMAGENET_STD, build_transform, decode, eval_resize
+from my_dataset import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    build_transform,
+    decode,
+    eval_resize,
+    normalize,
+)
 from plots import _figure_class, read_metrics
 from train_multi_gpu_using_spawn import loopback_interface, stop
 from utils import (
@@ -775,9 +782,12 @@ def data_paths(args: argparse.Namespace) -> dict[str, Any]:
         Path(p).read_bytes()  # into the page cache, so the first path timed does not pay for the disk
     size = args.img_size
     v2_train = build_transform(size, train=True)  # the project's: PIL to uint8 tensor first, then the geometry
-    on_pil = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor()])
-    # What ours' workers did before normalising moved to the device: worth a row of its own.
-    to_float = v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    on_pil = v2.Compose([*v2_train.transforms[1:], v2.PILToTensor()])  # the same geometry, on the PIL image
+
+    def in_worker(pixels: torch.Tensor) -> torch.Tensor:
+        """What ours' workers did before normalising moved to the device: worth a row of its own."""
+        return normalize(pixels.unsqueeze(0))[0]
+
     v1_train = seed_transforms(size)[0]
 
     def pil(path: str) -> Image.Image:
@@ -797,7 +807,7 @@ def data_paths(args: argparse.Namespace) -> dict[str, Any]:
         "PIL draft + v2 on PIL": lambda p: on_pil(load_rgb(p, size)),
         "PIL draft + v2 on uint8 tensor": lambda p: v2_train(load_rgb(p, size)),
         "decode_jpeg + v2 on uint8 tensor": lambda p: v2_train(tensor_jpeg(p)),
-        "decode_jpeg + v2 on uint8 tensor + float, normalise": lambda p: to_float(v2_train(tensor_jpeg(p))),
+        "decode_jpeg + v2 on uint8 tensor + float, normalise": lambda p: in_worker(v2_train(tensor_jpeg(p))),
         "decode() + v2 on uint8 tensor (ours)": lambda p: v2_train(decode(p, size)),
     }
     times: dict[str, list[float]] = {name: [] for name in pipelines}
