@@ -38,16 +38,23 @@ class TrainingDiverged(Exception):
     exit_code = 1
 
 
+def _stderr_line(text: str) -> None:
+    # One write per line: every rank of a job may report at once on the same terminal or pipe,
+    # and print() writes the newline separately, which lets two ranks' lines run together.
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 @contextlib.contextmanager
 def exit_on_error() -> Iterator[None]:
     """Turn our own errors into one `error:` line and an exit code, without a traceback."""
     try:
         yield
     except (UserError, TrainingDiverged) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        _stderr_line(f"error: {e}")
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
+        _stderr_line("interrupted")
         sys.exit(130)  # the shell's code for "ended by SIGINT"
 
 
