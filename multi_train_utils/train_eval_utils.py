@@ -5,9 +5,11 @@ differences being confined to `DistContext` and the reductions in distributed_ut
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import math
+import signal
 import sys
 import time
 from collections.abc import Iterable
@@ -108,6 +110,14 @@ def default_workers(ctx: DistContext) -> int:
     return max(1, min(8, spare))
 
 
+def die_with_parent(_worker_id: int) -> None:
+    """A loader worker ends the moment its training process does, however that one ended.
+    Otherwise a worker orphaned by SIGKILL lingers until PyTorch's watchdog notices, holding the
+    job's terminal or log pipe open after the launcher has gone."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
 def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataLoader, DataLoader]:
     args = plan.args
     workers = default_workers(ctx) if args.workers is None else args.workers
@@ -115,6 +125,7 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
         batch_size=args.batch_size,
         num_workers=workers,
         persistent_workers=workers > 0,
+        worker_init_fn=die_with_parent,
         pin_memory=ctx.device.type == "cuda",
         # A process started by mp.spawn would also spawn its loader workers, each re-importing
         # torch (seconds) and receiving a pickled copy of the dataset; forking, Linux's default
