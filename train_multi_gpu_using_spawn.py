@@ -21,7 +21,7 @@ from multi_train_utils.distributed_utils import (
     teardown,
 )
 from multi_train_utils.train_eval_utils import run
-from utils import UserError, exit_on_error
+from utils import UserError, exit_on_error, stderr_line
 
 # Seconds the other processes get to exit by themselves once one has failed, before SIGTERM,
 # and again before SIGKILL (mp.spawn's own default waits 30 s at each stage).
@@ -81,14 +81,14 @@ def main() -> None:
     except mp.ProcessExitedException as e:
         # The process printed its own `error:` line unless a signal gave it no chance to.
         if e.signal_name:
-            print(f"error: process {e.error_index} was killed by {e.signal_name}", file=sys.stderr)
+            stderr_line(f"error: process {e.error_index} was killed by {e.signal_name}")
         sys.exit(e.exit_code if e.exit_code > 0 else 1)
     except mp.ProcessRaisedException as e:
-        print(e, file=sys.stderr)  # the failing rank's traceback
+        stderr_line(str(e))  # the failing rank's traceback
         sys.exit(1)
     except KeyboardInterrupt:
         stop(context.processes)
-        print("interrupted", file=sys.stderr)
+        stderr_line("interrupted")
         sys.exit(130)
 
 

@@ -38,7 +38,7 @@ class TrainingDiverged(Exception):
     exit_code = 1
 
 
-def _stderr_line(text: str) -> None:
+def stderr_line(text: str) -> None:
     # One write per line: every rank of a job may report at once on the same terminal or pipe,
     # and print() writes the newline separately, which lets two ranks' lines run together.
     sys.stderr.write(text + "\n")
@@ -51,10 +51,10 @@ def exit_on_error() -> Iterator[None]:
     try:
         yield
     except (UserError, TrainingDiverged) as e:
-        _stderr_line(f"error: {e}")
+        stderr_line(f"error: {e}")
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        _stderr_line("interrupted")
+        stderr_line("interrupted")
         sys.exit(130)  # the shell's code for "ended by SIGINT"
 
 
