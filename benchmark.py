@@ -72,8 +72,10 @@ from multi_train_utils.distributed_utils import (
     cpu_count,
     gather_objects,
     host_store,
+    keep_gloo_on_loopback,
     setup_process_group,
     setup_single,
+    stop,
     teardown,
 )
 from multi_train_utils.train_eval_utils import (
@@ -92,8 +94,7 @@ from my_dataset import (
     eval_resize,
     normalize,
 )
-from plots import _figure_class, read_metrics
-from train_multi_gpu_using_spawn import loopback_interface, stop
+from plots import figure_class, read_metrics
 from utils import (
     DataSplit,
     Sample,
@@ -471,8 +472,7 @@ def run_job(job: Job, in_process: bool) -> dict[str, Any]:
         if job.world_size > 1:
             store = host_store("127.0.0.1", 0, 600)
             store_address = ("127.0.0.1", store.port)
-            if "GLOO_SOCKET_IFNAME" not in os.environ and loopback_interface():
-                os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()  # inherited by the spawned ranks
+            keep_gloo_on_loopback("127.0.0.1")  # inherited by the spawned ranks
         context = mp.spawn(_rank_main, args=(job, store_address), nprocs=job.world_size, join=False)
         sampler = MemorySampler([p.pid for p in context.processes])
         sampler.start()
@@ -556,7 +556,7 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     # The image list and the split once, here; every measurement gets the same.
     plans = {c: prepare(ours_args(args.data_path, args.img_size, args.batch_size, OURS_OPTIONS.get(c, [])),
                         "benchmark", verbose=False) for c in configs}
-    split = readable_split(next(iter(plans.values())), DistContext(0, 0, 1, 1, torch.device("cpu"), False))
+    split = readable_split(next(iter(plans.values())), DistContext.single())
     print(f"{len(split.train)} training images, {len(split.class_names)} classes; configs {configs}, "
           f"world sizes {world_sizes}, inputs {inputs}, {args.repeats} repetition(s)", flush=True)
 
@@ -722,7 +722,7 @@ def throughput_table(result: dict[str, Any]) -> str:
 def plot_throughput(result: dict[str, Any], path: Path) -> None:
     """Training images/s per configuration and world size, synthetic next to real, with the
     loader alone as a tick: where the tick is below a real bar's top, data loading limits it."""
-    Figure = _figure_class()
+    Figure = figure_class()
     if Figure is None:
         print("matplotlib is not installed: no plot")
         return
@@ -918,7 +918,7 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
     ours_defaults = ours_args(args.data_path, args.img_size, args.batch_size,
                               ["--epochs", str(args.epochs), "--seed", str(args.seed)])
     plan = prepare(ours_defaults, "benchmark", verbose=False)
-    split = readable_split(plan, DistContext(0, 0, 1, 1, torch.device("cpu"), False))
+    split = readable_split(plan, DistContext.single())
     recipes: dict[str, dict[str, Any]] = {}
     if not args.skip_seed:
         t0 = time.perf_counter()
@@ -959,7 +959,7 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot_accuracy(result: dict[str, Any], path: Path) -> None:
-    Figure = _figure_class()
+    Figure = figure_class()
     if Figure is None:
         print("matplotlib is not installed: no plot")
         return

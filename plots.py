@@ -33,7 +33,7 @@ MAX_SAMPLES = 16
 Log = Callable[[str], None]
 
 
-def _figure_class() -> Any:
+def figure_class() -> Any:
     """matplotlib's Figure, or None. Figures made without pyplot render with Agg, need no
     display and leave the process's global backend alone (this may run inside training)."""
     try:
@@ -54,7 +54,7 @@ def read_config(run_dir: Path) -> dict[str, Any]:
 
 
 def plot_curves(records: list[dict[str, Any]], path: Path) -> None:
-    Figure = _figure_class()
+    Figure = figure_class()
     epochs = [r["epoch"] for r in records]
     fig = Figure(figsize=(15, 4.2), layout="constrained")
     loss, acc, lr = fig.subplots(1, 3)
@@ -77,7 +77,7 @@ def plot_curves(records: list[dict[str, Any]], path: Path) -> None:
 
 
 def plot_class_distribution(split: DataSplit, path: Path) -> None:
-    Figure = _figure_class()
+    Figure = figure_class()
     names = split.class_names
     x = list(range(len(names)))
     width = 0.4
@@ -99,7 +99,7 @@ def plot_class_distribution(split: DataSplit, path: Path) -> None:
 def plot_augmented_samples(split: DataSplit, img_size: int, seed: int, path: Path) -> None:
     """Training images exactly as epoch 1 fed them to the net: the (epoch, index) keys seed
     the augmentation as the training loop does, so the picture is deterministic."""
-    Figure = _figure_class()
+    Figure = figure_class()
     dataset = MyDataSet(split.train, build_transform(img_size, train=True), img_size, seed)
     count = min(MAX_SAMPLES, len(dataset))
     # Evenly spaced through the (class-sorted) training list, so every class shows up.
@@ -153,7 +153,7 @@ def save_run_plots(
     Never raises for a plot: a failure is logged and the other plots are still drawn, so a
     training run cannot fail because of a picture.
     """
-    if _figure_class() is None:
+    if figure_class() is None:
         log(MISSING_MATPLOTLIB)
         return []
     run_dir = Path(run_dir)
@@ -204,7 +204,7 @@ def run_label(run_dir: Path) -> str:
 
 def plot_compare(run_dirs: list[Path], path: Path) -> None:
     """val_acc and train/val loss per epoch, one colour per run."""
-    Figure = _figure_class()
+    Figure = figure_class()
     fig = Figure(figsize=(13, 4.8), layout="constrained")
     acc, loss = fig.subplots(1, 2)
     for i, run_dir in enumerate(run_dirs):
@@ -238,7 +238,7 @@ def main() -> None:
                 raise UserError(f"cannot read {str(run_dir / 'metrics.jsonl')!r}: {e}") from None
             if not records:
                 raise UserError(f"{str(run_dir)!r} is not a training run folder (no epochs in metrics.jsonl)")
-        if _figure_class() is None:
+        if figure_class() is None:
             raise UserError(MISSING_MATPLOTLIB)
         single = len(args.runs) == 1
         for run_dir in args.runs:

@@ -8,7 +8,6 @@ free port on 127.0.0.1 unless MASTER_ADDR/MASTER_PORT are set. On a machine with
 --world-size N runs N CPU processes with gloo. See README.md for every option.
 """
 import os
-import socket
 import sys
 
 import torch
@@ -16,16 +15,15 @@ import torch.multiprocessing as mp
 
 from multi_train_utils.config import Plan, get_args_parser, prepare
 from multi_train_utils.distributed_utils import (
+    STOP_GRACE_SECONDS,
     host_store,
+    keep_gloo_on_loopback,
     setup_process_group,
+    stop,
     teardown,
 )
 from multi_train_utils.train_eval_utils import run
 from utils import UserError, exit_on_error, stderr_line
-
-# Seconds the other processes get to exit by themselves once one has failed, before SIGTERM,
-# and again before SIGKILL (mp.spawn's own default waits 30 s at each stage).
-GRACE_SECONDS = 5
 
 
 def worker(rank: int, plan: Plan, world_size: int, store_address: tuple[str, int]) -> None:
@@ -36,22 +34,6 @@ def worker(rank: int, plan: Plan, world_size: int, store_address: tuple[str, int
             run(plan, ctx)
         finally:
             teardown()
-
-
-def stop(processes: list) -> None:
-    """SIGTERM, a grace period, then SIGKILL: nothing outlives the launcher."""
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    for p in processes:
-        p.join(GRACE_SECONDS)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-def loopback_interface() -> str | None:
-    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
 
 
 def main() -> None:
@@ -70,13 +52,13 @@ def main() -> None:
         # All processes run on this machine, so by default nothing listens beyond loopback.
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         store = host_store(host, int(os.environ.get("MASTER_PORT", "0")), args.dist_timeout)
-        if host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ and loopback_interface():
-            os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
-            print(f"GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']} (gloo stays on loopback)")
+        loopback = keep_gloo_on_loopback(host)
+        if loopback:
+            print(f"GLOO_SOCKET_IFNAME={loopback} (gloo stays on loopback)")
 
     context = mp.spawn(worker, args=(plan, world_size, (host, store.port)), nprocs=world_size, join=False)
     try:
-        while not context.join(grace_period=GRACE_SECONDS):
+        while not context.join(grace_period=STOP_GRACE_SECONDS):
             pass
     except mp.ProcessExitedException as e:
         # The process printed its own `error:` line unless a signal gave it no chance to.

@@ -19,6 +19,10 @@ from torch.utils.data import Sampler
 
 from utils import UserError
 
+# Seconds the other processes of a job get to exit by themselves once one has failed, before
+# SIGTERM, and again before SIGKILL (mp.spawn's own default waits 30 s at each stage).
+STOP_GRACE_SECONDS = 5
+
 
 @dataclasses.dataclass(frozen=True)
 class DistContext:
@@ -28,6 +32,11 @@ class DistContext:
     local_world_size: int
     device: torch.device
     distributed: bool  # a process group exists (also true for a torchrun job of one process)
+
+    @classmethod
+    def single(cls, device: torch.device = torch.device("cpu")) -> DistContext:
+        """One process, no process group."""
+        return cls(0, 0, 1, 1, device, distributed=False)
 
     @property
     def is_main(self) -> bool:
@@ -86,7 +95,7 @@ def setup_single(device_spec: str | None) -> DistContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _configure_threads(device, 1)
-    return DistContext(0, 0, 1, 1, device, distributed=False)
+    return DistContext.single(device)
 
 
 def setup_process_group(
@@ -205,6 +214,31 @@ def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
         host, sock.getsockname()[1], None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False, master_listen_fd=sock.detach(),
     )
+
+
+def keep_gloo_on_loopback(host: str) -> str | None:
+    """Point gloo at the loopback interface when the rendezvous is on loopback, so that the
+    processes of a one-machine job connect over it and nothing listens beyond the machine.
+    Returns the interface it chose, or None when it left the environment alone (set already,
+    or a rendezvous elsewhere). Processes started afterwards inherit it."""
+    if not host.startswith("127.") or "GLOO_SOCKET_IFNAME" in os.environ:
+        return None
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if loopback:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    return loopback
+
+
+def stop(processes: list, grace_seconds: float = STOP_GRACE_SECONDS) -> None:
+    """SIGTERM, a grace period, then SIGKILL: nothing outlives the process that started them."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(grace_seconds)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
