@@ -1,67 +1,14 @@
-"""ResNet34 from torchvision, how to load weights into it, and BatchNorm that syncs on CPU."""
+"""ResNet34 from torchvision, freezing its backbone, and BatchNorm that syncs on the CPU."""
 from __future__ import annotations
-
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchvision.models import ResNet34_Weights, resnet34
-
-from multi_train_utils.checkpoint import why_unloadable
-from utils import UserError
+from torchvision.models import resnet34
 
 
 def create_model(num_classes: int) -> nn.Module:
     return resnet34(weights=None, num_classes=num_classes)
-
-
-def read_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """Model weights from a plain state dict or from one of our checkpoints.
-
-    `weights_only=True` refuses pickles that would run code; the file is mapped, not read,
-    so checking it costs little.
-    """
-    if not Path(path).is_file():
-        raise UserError(f"weights file {path!r} does not exist")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch.load raises many types for a bad file
-        raise UserError(f"cannot read weights {path!r}: {why_unloadable(e)}") from None
-    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
-        obj = obj["model"]  # one of our checkpoints
-    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise UserError(f"{path!r} holds no state dict of tensors")
-    # Checkpoints saved from a DDP-wrapped or compiled model prefix every key.
-    return {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in obj.items()}
-
-
-def load_weights(model: nn.Module, source: str, log: Callable[[str], None]) -> None:
-    """Load `source` (a file, or `imagenet`) into `model`, skipping tensors whose shape differs
-    (the 1000-class ImageNet head, typically)."""
-    if source == "imagenet":
-        try:
-            state = ResNet34_Weights.IMAGENET1K_V1.get_state_dict(progress=True)
-        except Exception as e:  # URLError and friends: offline, proxy, no disk
-            raise UserError(
-                f"could not download torchvision's ImageNet weights ({type(e).__name__}: {e}); "
-                "offline, download resnet34-b627a593.pth elsewhere and pass it as --weights PATH"
-            ) from None
-    else:
-        state = read_state_dict(source)
-    own = model.state_dict()
-    loadable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
-    skipped = sorted(k for k in state if k not in loadable)
-    missing = sorted(k for k in own if k not in loadable)
-    if not loadable:
-        raise UserError(f"{source!r} has no tensor that fits ResNet34 (is it a ResNet34 checkpoint?)")
-    model.load_state_dict(loadable, strict=False)
-    log(
-        f"weights from {source}: loaded {len(loadable)} tensors, skipped {len(skipped)}"
-        + (f" ({', '.join(skipped)})" if skipped else "")
-        + (f"; kept initial values for {', '.join(missing)}" if missing else "")
-    )
 
 
 def freeze_backbone(model: nn.Module) -> None:

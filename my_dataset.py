@@ -1,27 +1,19 @@
-"""The image dataset, its transforms, the shared-memory image cache, and the sampler that
-makes augmentation reproducible."""
+"""The image dataset, its uint8 transforms, the normalisation done on the device, and the
+sampler that makes augmentation reproducible. Knows nothing of processes or launchers."""
 from __future__ import annotations
 
 import functools
-import mmap
-import os
-import secrets
-import shutil
-import sys
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from PIL import Image
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 from torchvision.io import ImageReadMode, decode_jpeg, read_file
 from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
-from multi_train_utils.distributed_utils import DistContext, broadcast_object
-from utils import Sample, UserError, load_rgb
+from utils import Sample, cpu_count, load_rgb
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -34,7 +26,7 @@ def eval_resize(img_size: int) -> int:
 def decode(path: str, min_size: int) -> torch.Tensor:
     """An upright RGB picture as a uint8 CHW tensor, by the fastest way for this file.
 
-    Measured by `benchmark.py data` (README, Performance): torchvision's decode_jpeg reads
+    Measured by `python -m benchmarks data` (docs/performance.md): torchvision's decode_jpeg reads
     flower-sized JPEGs faster than PIL; a JPEG at least twice the size needed is cheaper
     still through PIL's draft mode, which decodes it at 1/2 to 1/8 scale. Everything else,
     and any JPEG that libjpeg refuses, goes through PIL.
@@ -78,82 +70,21 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
     return images.float().mul_(scale).add_(shift)
 
 
-class SharedImageCache:
-    """Every image decoded once, resized to a short side of `short_side`, kept as uint8 RGB in
-    one shared-memory file per machine.
-
-    Local rank 0 creates the file in /dev/shm, every process on the machine maps it, and the
-    name is removed before the (slow) decoding starts: the memory lives exactly as long as the
-    processes mapping it, so a crash leaves nothing behind. Data-loader workers inherit the
-    mapping when they fork, so there is one copy per machine, not one per rank or per worker.
-    """
-
-    def __init__(self, paths: Sequence[str], short_side: int, ctx: DistContext):
-        if sys.platform != "linux":
-            raise UserError("--cache needs Linux (a /dev/shm file shared with forked loader workers)")
-        self.index = {p: i for i, p in enumerate(paths)}
-        self.shapes = [_cached_shape(p, short_side) for p in paths]  # header reads only
-        sizes = [h * w * 3 for h, w in self.shapes]
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.nbytes = int(self.offsets[-1])
-        _check_room(self.nbytes)
-        token = broadcast_object(secrets.token_hex(8) if ctx.is_main else None, ctx)
-        path = f"/dev/shm/imgcache-{token}-{ctx.rank - ctx.local_rank}"  # one per machine, even two "machines" on one
-        creator = ctx.local_rank == 0
-        if creator:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, max(1, self.nbytes))
-        _barrier(ctx)
-        if not creator:
-            fd = os.open(path, os.O_RDWR)
-        self._map = mmap.mmap(fd, max(1, self.nbytes))
-        os.close(fd)
-        _barrier(ctx)
-        if creator:
-            os.unlink(path)
-        self.pixels = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes)
-        mine = range(ctx.local_rank, len(paths), ctx.local_world_size)
-        with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:  # PIL releases the GIL
-            list(pool.map(lambda i: self._fill(i, paths[i], short_side), mine))
-        _barrier(ctx)
-
-    def _fill(self, i: int, path: str, short_side: int) -> None:
-        h, w = self.shapes[i]
-        img = load_rgb(path, min_size=short_side).resize((w, h), Image.BILINEAR, reducing_gap=3.0)
-        self.pixels[self.offsets[i] : self.offsets[i + 1]] = np.asarray(img).reshape(-1)
-
-    def get(self, path: str) -> torch.Tensor:
-        """The cached picture as a uint8 CHW tensor viewing the shared memory (no copy)."""
-        i = self.index[path]
-        h, w = self.shapes[i]
-        hwc = self.pixels[self.offsets[i] : self.offsets[i + 1]].reshape(h, w, 3)
-        return torch.from_numpy(hwc).permute(2, 0, 1)
+def default_workers(device: torch.device, processes_per_machine: int = 1) -> int:
+    """Loader workers per training process: its share of the cores, less one for the loop itself."""
+    spare = cpu_count() // processes_per_machine - 1
+    if device.type == "cuda":
+        # One core decodes and augments about 900 images/s (docs/performance.md); a GPU trains
+        # thousands a second. So the loader gets every spare core.
+        return max(1, spare)
+    # On the CPU the training step itself runs on every core; workers only stay a few batches ahead.
+    return max(1, min(8, spare))
 
 
-def _cached_shape(path: str, short_side: int) -> tuple[int, int]:
-    with Image.open(path) as img:
-        w, h = img.size
-        if img.getexif().get(0x0112) in (5, 6, 7, 8):  # EXIF says: rotated by 90 degrees
-            w, h = h, w
-    scale = short_side / min(w, h)
-    return max(1, round(h * scale)), max(1, round(w * scale))
+class PixelCache(Protocol):
+    """Decoded pictures by path (multi_train_utils.loaders.SharedImageCache)."""
 
-
-def _check_room(nbytes: int) -> None:
-    shm_free = shutil.disk_usage("/dev/shm").free
-    with open("/proc/meminfo") as f:
-        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    room = min(shm_free, available)
-    if nbytes > 0.8 * room:  # leave room for the model, the loaders and the rest of the machine
-        raise UserError(
-            f"--cache needs {nbytes / 2**30:.2f} GiB of shared memory, but only {room / 2**30:.2f} GiB is "
-            "available (/dev/shm or free RAM): train without --cache, or with a smaller --img-size"
-        )
-
-
-def _barrier(ctx: DistContext) -> None:
-    if ctx.distributed:
-        dist.barrier()
+    def get(self, path: str) -> torch.Tensor: ...
 
 
 class MyDataSet(Dataset):
@@ -166,7 +97,7 @@ class MyDataSet(Dataset):
     """
 
     def __init__(self, samples: Sequence[Sample], transform: v2.Compose, min_size: int, seed: int = 0,
-                 cache: SharedImageCache | None = None):
+                 cache: PixelCache | None = None):
         self.samples = list(samples)
         self.transform = transform
         self.min_size = min_size

@@ -4,28 +4,28 @@
     python plots.py runs/single-a runs/launch-b --out plots/    # each run's PNGs, plus plots/compare.png
 
 A run folder gets curves.png, class_distribution.png and augmented_samples.png;
-`save_run_plots` draws them at the end of training. matplotlib is optional: without it the
-plots are skipped with a message and training is unaffected.
+`save_run_plots` draws them at the end of training, and this command redraws them from the
+run's metrics.jsonl and split.json. Without matplotlib the plots are skipped with a message
+and training is unaffected.
 """
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from my_dataset import MyDataSet, build_transform
 from utils import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    SPLIT_FILE,
     DataSplit,
     UserError,
-    drop_unreadable,
     exit_on_error,
-    find_unreadable,
-    list_images,
-    split_samples,
+    load_split,
+    read_json,
+    read_metrics,
 )
 
 MISSING_MATPLOTLIB = "matplotlib is not installed: plots skipped (pip install matplotlib)"
@@ -41,16 +41,6 @@ def figure_class() -> Any:
     except ImportError:
         return None
     return Figure
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
-def read_config(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def plot_curves(records: list[dict[str, Any]], path: Path) -> None:
@@ -118,26 +108,6 @@ def plot_augmented_samples(split: DataSplit, img_size: int, seed: int, path: Pat
     fig.savefig(path, dpi=100)
 
 
-def split_from_config(run_dir: Path, config: dict[str, Any], log: Log) -> DataSplit | None:
-    """The run's split, rebuilt as training built it, or None (with a message) when the data
-    folder is gone or changed."""
-    data_path = config.get("data_path")
-    if not data_path or not Path(data_path).is_dir():
-        where = "" if not data_path or Path(data_path).is_absolute() else f" (relative to {Path.cwd()})"
-        log(f"data folder {data_path!r}{where} of {run_dir} is not there: class_distribution.png and "
-            "augmented_samples.png skipped")
-        return None
-    class_names, samples = list_images(data_path)
-    # Training left unreadable files out before splitting; so must we, or the split differs.
-    unreadable = [p for p, _ in find_unreadable([p for p, _ in samples], threads=torch.get_num_threads())]
-    samples = drop_unreadable(samples, class_names, unreadable)
-    indices = run_dir / "class_indices.json"
-    if indices.is_file() and list(json.loads(indices.read_text()).values()) != class_names:
-        log(f"the classes in {data_path} changed since {run_dir} was trained: data plots skipped")
-        return None
-    return split_samples(samples, class_names, config["val_rate"], config["seed"])
-
-
 def save_run_plots(
     run_dir: Path,
     split: DataSplit | None = None,
@@ -149,9 +119,9 @@ def save_run_plots(
     """Draw curves.png, class_distribution.png and augmented_samples.png into `out_dir`
     (default: `run_dir`) and return the files written.
 
-    Without `split`, the split, image size and seed are rebuilt from the run's config.json.
-    Never raises for a plot: a failure is logged and the other plots are still drawn, so a
-    training run cannot fail because of a picture.
+    Without `split`, the split, image size and seed are the run's own, from its split.json and
+    config.json. Never raises for a plot: a failure is logged and the other plots are still
+    drawn, so a training run cannot fail because of a picture.
     """
     if figure_class() is None:
         log(MISSING_MATPLOTLIB)
@@ -171,32 +141,32 @@ def save_run_plots(
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         records = read_metrics(run_dir)
-        config = read_config(run_dir)
-    except (OSError, ValueError) as e:
+        config = read_json(run_dir / CONFIG_FILE)
+        if split is None and (run_dir / SPLIT_FILE).is_file():
+            split = load_split(run_dir / SPLIT_FILE)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         log(f"warning: no plots for {run_dir}: {type(e).__name__}: {e}")
         return written
     if records:
         draw("curves.png", plot_curves, records)
     else:
-        log(f"{run_dir / 'metrics.jsonl'} holds no epoch yet: curves.png skipped")
-    if split is None and not config:
-        log(f"{run_dir / 'config.json'} is missing: class_distribution.png and augmented_samples.png skipped")
-    elif split is None:
-        seed = config.get("seed", seed)
-        try:
-            split = split_from_config(run_dir, config, log)
-        except (OSError, UserError) as e:  # the data folder was emptied or changed since training
-            log(f"warning: cannot rebuild the split of {run_dir}: {e}")
+        log(f"{run_dir / METRICS_FILE} holds no epoch yet: curves.png skipped")
+    if split is None:
+        log(f"{run_dir / SPLIT_FILE} is missing: class_distribution.png and augmented_samples.png skipped")
+        return written
+    draw("class_distribution.png", plot_class_distribution, split)
     img_size = img_size or config.get("img_size")
-    if split is not None:
-        draw("class_distribution.png", plot_class_distribution, split)
-        if img_size:
-            draw("augmented_samples.png", plot_augmented_samples, split, img_size, seed)
+    missing = next((p for p, _ in split.train if not Path(p).is_file()), None)
+    if missing is not None:
+        where = "" if Path(missing).is_absolute() else f" (relative to {Path.cwd()})"
+        log(f"training image {missing!r}{where} of {run_dir} is not there: augmented_samples.png skipped")
+    elif img_size:
+        draw("augmented_samples.png", plot_augmented_samples, split, img_size, config.get("seed", seed))
     return written
 
 
 def run_label(run_dir: Path) -> str:
-    config = read_config(run_dir)
+    config = read_json(run_dir / CONFIG_FILE)
     if "launcher" not in config:
         return run_dir.name
     return f"{run_dir.name} ({config['launcher']}, world size {config.get('world_size', '?')})"
@@ -235,7 +205,7 @@ def main() -> None:
             try:
                 records = read_metrics(run_dir)
             except (OSError, ValueError) as e:
-                raise UserError(f"cannot read {str(run_dir / 'metrics.jsonl')!r}: {e}") from None
+                raise UserError(f"cannot read {str(run_dir / METRICS_FILE)!r}: {e}") from None
             if not records:
                 raise UserError(f"{str(run_dir)!r} is not a training run folder (no epochs in metrics.jsonl)")
         if figure_class() is None:

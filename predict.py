@@ -21,27 +21,23 @@ from torch.utils.data import DataLoader, Dataset
 
 from model import create_model
 from multi_train_utils.checkpoint import load_checkpoint
-from multi_train_utils.distributed_utils import cpu_count, resolve_device
-from my_dataset import build_transform, decode, eval_resize, normalize
-from utils import IMG_EXTENSIONS, UserError, exit_on_error
+from multi_train_utils.distributed_utils import resolve_device
+from multi_train_utils.train_eval_utils import PlacedModel
+from my_dataset import build_transform, decode, default_workers, eval_resize
+from utils import IMG_EXTENSIONS, UserError, exit_on_error, image_files
 
 
 def find_images(inputs: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """Image files named or found below the inputs, and (path, reason) for inputs that do
-    not exist. A file named explicitly is taken whatever its extension: the user asked."""
+    """Image files named or found below the inputs (by training's own rule), and (path, reason)
+    for inputs that do not exist. A file named explicitly is taken whatever its extension: the
+    user asked."""
     files: list[str] = []
     missing: list[tuple[str, str]] = []
     for item in inputs:
         if os.path.isfile(item):
             files.append(item)
         elif os.path.isdir(item):
-            found = []
-            # Same rule as utils.list_images: hidden files and folders are not images.
-            for dirpath, dirnames, filenames in os.walk(item, followlinks=True):
-                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-                found.extend(os.path.join(dirpath, f) for f in filenames
-                             if not f.startswith(".") and f.lower().endswith(IMG_EXTENSIONS))
-            files.extend(sorted(found))
+            files.extend(image_files(item))
         else:
             missing.append((item, "no such file or directory"))
     return list(dict.fromkeys(files)), missing  # a file named twice is predicted once
@@ -74,14 +70,14 @@ def predict(
     img_size = checkpoint["args"]["img_size"]
     model = create_model(len(class_names))
     model.load_state_dict(checkpoint["model"])
-    model.to(device).eval()
+    placed = PlacedModel(model.to(device).eval(), device)
     loader = DataLoader(ImageFiles(paths, img_size), batch_size=batch_size, num_workers=workers,
                         pin_memory=device.type == "cuda")
     top_k = min(top_k, len(class_names))
     done = 0
     with torch.inference_mode():
         for images, errors in loader:
-            probs = model(normalize(images.to(device, non_blocking=True))).float().softmax(1)
+            probs = placed.module(placed.input(images)).float().softmax(1)
             values, indices = probs.topk(top_k, dim=1)
             for path, error, row_values, row_indices in zip(
                 paths[done : done + len(errors)], errors, values.tolist(), indices.tolist()
@@ -102,7 +98,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, metavar="N", help="images per forward pass (default: 32)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
     parser.add_argument("--workers", type=int, default=None, metavar="N",
-                        help="image-decoding processes (default: CPUs - 1, at most 8)")
+                        help="image-decoding processes (default: CPUs - 1, at most 8 on the CPU)")
     args = parser.parse_args()
     with exit_on_error():
         if args.top_k < 1 or args.batch_size < 1 or (args.workers or 0) < 0:
@@ -114,7 +110,7 @@ def main() -> None:
             print(f"warning: cannot read {path}: {reason}", file=sys.stderr, flush=True)
         if not paths:
             raise UserError(f"no image found in {', '.join(args.inputs)} (looked for {' '.join(IMG_EXTENSIONS)} files)")
-        workers = max(0, min(8, cpu_count() - 1)) if args.workers is None else args.workers
+        workers = default_workers(device) if args.workers is None else args.workers
         path_width = max(len(p) for p in paths)
         class_width = max(len(c) for c in checkpoint["class_names"])
         try:

@@ -1,10 +1,12 @@
-"""Finding, checking, splitting and downloading the image folders; the project's error types."""
+"""Finding, checking, splitting and downloading the image folders; the files a run folder holds;
+the project's error types. The bottom of the house: this module imports nothing of the project."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -13,6 +15,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -24,6 +27,11 @@ FLOWERS_URL = "https://storage.googleapis.com/download.tensorflow.org/example_im
 FLOWERS_SHA256 = "4c54ace7911aaffe13a365c34f650e71dd5bf1be0a58b464e5a7183e3e595d9c"
 
 Sample = tuple[str, int]  # (path, class index)
+
+# The files of a run folder that other programs read back (plots.py, the benchmarks).
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+SPLIT_FILE = "split.json"
 
 
 class UserError(Exception):
@@ -58,6 +66,14 @@ def exit_on_error() -> Iterator[None]:
         sys.exit(130)  # the shell's code for "ended by SIGINT"
 
 
+def cpu_count() -> int:
+    """CPUs this process may run on (respects taskset and cgroup cpusets, unlike os.cpu_count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 def load_rgb(path: str, min_size: int | None = None) -> Image.Image:
     """Decode any image file into an upright 8-bit RGB picture.
 
@@ -82,12 +98,20 @@ def load_rgb(path: str, min_size: int | None = None) -> Image.Image:
     return img.convert("RGB") if img.mode != "RGB" else img
 
 
-def list_images(root: str, num_classes: int | None = None) -> tuple[list[str], list[Sample]]:
-    """Class names (sorted sub-folder names) and every image file below them.
+def image_files(folder: str | Path) -> list[str]:
+    """Every image file below `folder`, in a stable order. Hidden files and folders, and files
+    whose extension is not an image's, are skipped quietly."""
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        found.extend(os.path.join(dirpath, f) for f in sorted(filenames)
+                     if not f.startswith(".") and f.lower().endswith(IMG_EXTENSIONS))
+    return found
 
-    Hidden files and folders, and files whose extension is not an image's, are skipped
-    quietly; whether an image actually decodes is checked later by `find_unreadable`.
-    """
+
+def list_images(root: str, num_classes: int | None = None) -> tuple[list[str], list[Sample]]:
+    """Class names (sorted sub-folder names) and every image file below them (`image_files`);
+    whether an image actually decodes is checked later by `find_unreadable`."""
     path = Path(root)
     if not path.is_dir():
         raise UserError(
@@ -95,15 +119,7 @@ def list_images(root: str, num_classes: int | None = None) -> tuple[list[str], l
             "sub-folder per class, or add --download to fetch flower_photos"
         )
     class_names = sorted(d.name for d in path.iterdir() if d.is_dir() and not d.name.startswith("."))
-    samples: list[Sample] = []
-    for label, name in enumerate(class_names):
-        for dirpath, dirnames, filenames in os.walk(path / name, followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            samples.extend(
-                (os.path.join(dirpath, f), label)
-                for f in sorted(filenames)
-                if not f.startswith(".") and f.lower().endswith(IMG_EXTENSIONS)
-            )
+    samples = [(file, label) for label, name in enumerate(class_names) for file in image_files(path / name)]
     if not samples:
         raise UserError(
             f"no images found in {root!r}: expected one sub-folder per class holding "
@@ -179,6 +195,31 @@ def split_samples(samples: list[Sample], class_names: list[str], val_rate: float
     if not val:
         raise UserError(f"--val-rate {val_rate} leaves no validation images; raise it")
     return DataSplit(class_names, train, val)
+
+
+def save_split(split: DataSplit, path: Path) -> None:
+    write_json(path, {"class_names": split.class_names, "train": split.train, "val": split.val})
+
+
+def load_split(path: Path) -> DataSplit:
+    obj = json.loads(Path(path).read_text())
+    return DataSplit(obj["class_names"], [(p, int(c)) for p, c in obj["train"]], [(p, int(c)) for p, c in obj["val"]])
+
+
+def write_json(path: Path, obj: Any) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The object in `path`, or {} when there is no such file."""
+    path = Path(path)
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The epochs in a run folder's metrics.jsonl, or [] when it has none yet."""
+    path = Path(run_dir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def _sha256(path: Path) -> str:

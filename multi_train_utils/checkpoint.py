@@ -1,18 +1,75 @@
-"""Checkpoints: everything needed to continue, written atomically, read without running code."""
+"""Checkpoints: what one holds and how a run is restored from it, side by side; written
+atomically, read without running code. Also reading the weight files that --weights names.
+
+A checkpoint is everything needed to continue: the unwrapped model's weights, the optimizer,
+the loss scaler, the epochs done, the best accuracy so far, the configuration and the class
+names. The learning-rate schedule is a function of the step, so there is nothing of it to save.
+"""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import pickle
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+from torchvision.models import ResNet34_Weights
 
 from utils import UserError
 
-REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "best_acc", "args", "class_names")
+REQUIRED_KEYS = ("model", "optimizer", "scaler", "epoch", "best_acc", "args", "class_names")
+
+
+@dataclasses.dataclass
+class Progress:
+    """How far a run has come: what a checkpoint records beyond the weights and optimizer."""
+
+    epoch: int = 0  # epochs completed
+    best_acc: float = -1.0
+
+    def record(self, epoch: int, val_acc: float) -> bool:
+        """Note a finished epoch; True when its accuracy is the best so far."""
+        self.epoch = epoch
+        is_best = val_acc > self.best_acc
+        self.best_acc = max(self.best_acc, val_acc)
+        return is_best
+
+
+def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                    progress: Progress, args: argparse.Namespace, class_names: list[str],
+                    world_size: int) -> dict[str, Any]:
+    """`model` is the unwrapped one (no DDP, not compiled): its keys then fit any launcher."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "epoch": progress.epoch,
+        "best_acc": progress.best_acc,
+        "args": vars(args),
+        "class_names": class_names,
+        "world_size": world_size,  # informative: a checkpoint resumes at any world size
+    }
+
+
+def restore_weights(checkpoint: dict[str, Any], model: nn.Module, class_names: list[str], source: str) -> None:
+    if checkpoint["class_names"] != class_names:
+        raise UserError(f"{source} was trained on classes {checkpoint['class_names']}, but the data has {class_names}")
+    model.load_state_dict(checkpoint["model"])
+
+
+def restore_progress(checkpoint: dict[str, Any], optimizer: torch.optim.Optimizer,
+                     scaler: torch.amp.GradScaler) -> Progress:
+    """The optimizer and scaler state, and how far the run had come. The learning rate is not
+    taken from the optimizer state: the loop sets it from the step at every step."""
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scaler.load_state_dict(checkpoint["scaler"])
+    return Progress(checkpoint["epoch"], checkpoint["best_acc"])
 
 
 def save_atomic(obj: Any, path: Path) -> None:
@@ -84,3 +141,54 @@ def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
             "to start from its weights use --weights instead of --resume"
         )
     return ckpt
+
+
+def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Model weights from a plain state dict or from one of our checkpoints, keys as the bare
+    model names them. The file is mapped, not read, so checking it costs little."""
+    if not Path(path).is_file():
+        raise UserError(f"weights file {path!r} does not exist")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch.load raises many types for a bad file
+        raise UserError(f"cannot read weights {path!r}: {why_unloadable(e)}") from None
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+        obj = obj["model"]  # one of our checkpoints
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise UserError(f"{path!r} holds no state dict of tensors")
+    return {_unwrapped_key(k): v for k, v in obj.items()}
+
+
+def _unwrapped_key(key: str) -> str:
+    """A key as the bare model names it. DDP prefixes every key with `module.` and
+    torch.compile with `_orig_mod.`, nested in whichever order the model was wrapped."""
+    while key.startswith(("module.", "_orig_mod.")):
+        key = key.split(".", 1)[1]
+    return key
+
+
+def load_weights(model: nn.Module, source: str, log: Callable[[str], None]) -> None:
+    """Load `source` (a file, or `imagenet`) into `model`, skipping tensors whose shape differs
+    (the 1000-class ImageNet head, typically), and say what was loaded and skipped."""
+    if source == "imagenet":
+        try:
+            state = ResNet34_Weights.IMAGENET1K_V1.get_state_dict(progress=True)
+        except Exception as e:  # URLError and friends: offline, proxy, no disk
+            raise UserError(
+                f"could not download torchvision's ImageNet weights ({type(e).__name__}: {e}); "
+                "offline, download resnet34-b627a593.pth elsewhere and pass it as --weights PATH"
+            ) from None
+    else:
+        state = read_state_dict(source)
+    own = model.state_dict()
+    loadable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    skipped = sorted(k for k in state if k not in loadable)
+    missing = sorted(k for k in own if k not in loadable)
+    if not loadable:
+        raise UserError(f"{source!r} has no tensor that fits ResNet34 (is it a ResNet34 checkpoint?)")
+    model.load_state_dict(loadable, strict=False)
+    log(
+        f"weights from {source}: loaded {len(loadable)} tensors, skipped {len(skipped)}"
+        + (f" ({', '.join(skipped)})" if skipped else "")
+        + (f"; kept initial values for {', '.join(missing)}" if missing else "")
+    )

@@ -9,8 +9,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from model import read_state_dict
-from multi_train_utils.checkpoint import load_checkpoint
+from multi_train_utils.checkpoint import load_checkpoint, read_state_dict
 from utils import DataSplit, Sample, UserError, download_flower_photos, list_images
 
 _TRUE = {"1", "true", "yes", "on"}

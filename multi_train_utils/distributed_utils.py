@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from utils import UserError
+from utils import UserError, cpu_count
 
 # Seconds the other processes of a job get to exit by themselves once one has failed, before
 # SIGTERM, and again before SIGKILL (mp.spawn's own default waits 30 s at each stage).
@@ -45,14 +45,6 @@ class DistContext:
     def print0(self, *args: Any, **kwargs: Any) -> None:
         if self.is_main:
             print(*args, **kwargs, flush=True)
-
-
-def cpu_count() -> int:
-    """CPUs this process may run on (respects taskset and cgroup cpusets, unlike os.cpu_count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
 
 
 def resolve_device(spec: str | None, local_rank: int) -> torch.device:
@@ -164,7 +156,7 @@ def env_ranks(local_rank_arg: int | None = None) -> tuple[int, int, int, int] | 
     torchrun and `torch.distributed.launch --use_env` export RANK/LOCAL_RANK/WORLD_SIZE; the
     legacy launcher without --use_env passes --local-rank instead of LOCAL_RANK. Under `srun`
     one task is one process, described by SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; the rendezvous
-    address must then come from MASTER_ADDR/MASTER_PORT (see the README's sbatch script).
+    address must then come from MASTER_ADDR/MASTER_PORT (see the sbatch script in docs/multi-node.md).
     """
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -177,7 +169,7 @@ def env_ranks(local_rank_arg: int | None = None) -> tuple[int, int, int, int] | 
         if missing:
             raise UserError(
                 f"running under SLURM but {' and '.join(missing)} is not set: export the first "
-                "node's address and a free port in the sbatch script (see README, SLURM)"
+                "node's address and a free port in the sbatch script (see docs/multi-node.md, SLURM)"
             )
         world_size = int(env["SLURM_NTASKS"])
         nodes = int(env.get("SLURM_NNODES", "1"))
@@ -246,6 +238,11 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     if ctx.distributed:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
 
 
 def all_reduce_min(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:

@@ -1,4 +1,8 @@
-"""Helpers shared by the tests: run a launcher for real, read what it wrote, build odd image folders."""
+"""Helpers shared by the tests: run a launcher for real, watch and stop its processes, read what
+it wrote, build odd image folders.
+
+Tests that start real processes (launchers, process groups, benchmarks) are marked `slow`;
+`python -m pytest tests -m "not slow"` runs the rest in about a minute."""
 from __future__ import annotations
 
 import contextlib
@@ -8,9 +12,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "data" / "flower_photos_sample"
@@ -19,6 +27,10 @@ sys.path.insert(0, str(REPO))
 # Small and fast: 32 px crops still run the whole network, and 2 CPU cores finish an epoch
 # of the 120-image sample in about a second.
 FAST = ["--img-size", "32", "--batch-size", "8", "--workers", "0"]
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "slow: starts real training processes (deselect with -m 'not slow')")
 
 
 def launcher_cmd(launcher: str, nproc: int = 1) -> list[str]:
@@ -82,16 +94,31 @@ def copy_sample(dst: Path, classes: list[str] | None = None, per_class: int | No
     return dst
 
 
-def user_error(main, argv: list[str], capsys) -> str:
-    """Run a launcher's main() in this process; check it ends with one `error:` line and exit
-    code 2, without a traceback; return that line."""
+def check_png(path, min_width: int = 400, min_height: int = 300) -> np.ndarray:
+    """A real, non-blank picture of a sensible size; its pixels."""
+    with Image.open(path) as img:
+        assert img.format == "PNG"
+        assert min_width <= img.width <= 3000 and min_height <= img.height <= 3000, (path, img.size)
+        pixels = np.asarray(img.convert("RGB"))
+    assert pixels.std() > 10, f"{path} looks blank"
+    return pixels
+
+
+def call_main(main, argv: list[str]) -> None:
+    """A script's main() in this process (no interpreter start-up), with `argv` as its command line."""
     old = sys.argv
     sys.argv = ["prog", *argv]
     try:
-        with pytest.raises(SystemExit) as exit_info:
-            main()
+        main()
     finally:
         sys.argv = old
+
+
+def user_error(main, argv: list[str], capsys) -> str:
+    """Run a launcher's main() in this process; check it ends with one `error:` line and exit
+    code 2, without a traceback; return that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        call_main(main, argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
     assert "Traceback" not in err
@@ -132,3 +159,50 @@ def describe_processes(pids: list[int]) -> str:
             continue
         lines.append(f"  pid {pid} state {stat[0]} in {wchan}, {cpu_seconds:.1f}s of CPU: {cmdline}")
     return "\n".join(lines)
+
+
+# What "promptly" means for a job that must stop (the README promises it). torchrun's and
+# mp.spawn's own escalation waits 30 s before SIGKILL.
+STOP_WITHIN = 20
+
+
+def start_job(launcher: str, out: Path, *extra: str, nproc: int = 2, data: Path = SAMPLE):
+    marker = uuid.uuid4().hex
+    cmd = launcher_cmd(launcher, nproc) + ["--data-path", str(data), "--output-dir", str(out), *FAST, *extra]
+    proc = start(cmd, env={"TEST_JOB_MARKER": marker})
+    proc.marker = marker
+    return proc, marker
+
+
+def wait_for_epochs(proc, out: Path, epochs: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= epochs):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            marker = getattr(proc, "marker", None)  # set by start_job
+            states = describe_processes(processes_with_marker(marker)) if marker else ""
+            kill_group(proc)
+            stdout, stderr = proc.communicate()
+            raise AssertionError(f"the job ended or stalled before epoch {epochs}:\n{states}\n"
+                                 f"stdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-3000:]}")
+        time.sleep(0.05)
+
+
+def wait_until_gone(proc, marker: str) -> tuple[float, str]:
+    """Seconds until the launcher exits and no process of the job is left; its stderr."""
+    started = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=STOP_WITHIN)
+        while processes_with_marker(marker) and time.monotonic() - started < STOP_WITHIN:
+            time.sleep(0.1)
+    finally:
+        leftover = processes_with_marker(marker)
+        for pid in leftover:
+            os.kill(pid, signal.SIGKILL)
+        kill_group(proc)
+    assert not leftover, f"processes left running: {leftover}"
+    return time.monotonic() - started, err
+
+
+def child_pids(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children]

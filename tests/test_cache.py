@@ -8,14 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SAMPLE, kill_group, metrics, ok, processes_with_marker, train
-from test_faults import start_job, wait_for_epochs
+from conftest import SAMPLE, kill_group, metrics, ok, processes_with_marker, start_job, train, wait_for_epochs
 
 from multi_train_utils.distributed_utils import DistContext
-from my_dataset import SharedImageCache, _check_room
+from multi_train_utils.loaders import SharedImageCache, check_cache_room
 from utils import UserError, list_images, load_rgb
 
-SINGLE = DistContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
+SINGLE = DistContext.single()
 
 
 def test_cached_pixels_are_the_resized_image():
@@ -33,7 +32,7 @@ def test_cached_pixels_are_the_resized_image():
 
 def test_a_cache_that_would_not_fit_is_refused():
     with pytest.raises(UserError, match="--cache needs .* GiB of shared memory"):
-        _check_room(10**15)  # a petabyte: more than any machine this runs on
+        check_cache_room(10**15)  # a petabyte: more than any machine this runs on
 
 
 def _cache_mappings(pid: int) -> set[int]:
@@ -45,6 +44,7 @@ def _cache_mappings(pid: int) -> set[int]:
     return {int(line.split()[4]) for line in lines if "/dev/shm/imgcache-" in line}
 
 
+@pytest.mark.slow
 def test_one_copy_per_machine_whatever_the_world_size(tmp_path):
     """Two ranks and their loader workers all map the same (deleted) shared-memory file:
     the decoded pixels exist once on the machine."""
@@ -67,6 +67,7 @@ def test_one_copy_per_machine_whatever_the_world_size(tmp_path):
     assert not list(Path("/dev/shm").glob("imgcache-*"))
 
 
+@pytest.mark.slow
 def test_training_with_cache_counts_every_image_once(tmp_path):
     ok(train("single", tmp_path, "--epochs", "1", "--cache", "--img-size", "48"))
     record = metrics(tmp_path)[0]

@@ -40,6 +40,7 @@ def test_aliases_and_defaults():
     assert args.data_path == "dataset/flower_photos" and args.val_rate == 0.2 and args.img_size == 224
 
 
+@pytest.mark.slow
 def test_every_launcher_documents_the_same_options():
     scripts = {"single": "train_single_gpu.py", "launch": "train_multi_gpu_using_launch.py",
                "spawn": "train_multi_gpu_using_spawn.py"}
@@ -104,6 +105,7 @@ def test_spawn_without_gpus_needs_world_size(capsys):
     assert "--world-size" in line
 
 
+@pytest.mark.slow
 def test_under_torchrun_every_worker_reports_and_exits_2(tmp_path):
     result = run_cli(launcher_cmd("launch", 2) + ["--data-path", str(tmp_path / "missing")], timeout=120)
     assert result.returncode != 0

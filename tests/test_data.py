@@ -11,8 +11,7 @@ from conftest import SAMPLE, copy_sample, metrics, ok, train
 from PIL import Image
 from torchvision.transforms import v2
 
-from multi_train_utils import train_eval_utils
-from multi_train_utils.distributed_utils import DistContext
+import my_dataset
 from multi_train_utils.train_eval_utils import model_input
 from my_dataset import (
     IMAGENET_MEAN,
@@ -139,6 +138,7 @@ def test_num_classes_mismatch_and_single_class(tmp_path):
         list_images(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_training_on_a_folder_of_odd_and_broken_images(tmp_path):
     data = copy_sample(tmp_path / "data", classes=["daisy", "roses"], per_class=6)
     odd = write_odd_images(data / "daisy")
@@ -179,6 +179,5 @@ def test_pixels_stay_uint8_until_the_device_normalises_the_batch():
     ("cpu", 2, 2, 1),
 ])
 def test_default_loader_workers(monkeypatch, device, cores, local_processes, expected):
-    monkeypatch.setattr(train_eval_utils, "cpu_count", lambda: cores)
-    ctx = DistContext(0, 0, local_processes, local_processes, torch.device(device), local_processes > 1)
-    assert train_eval_utils.default_workers(ctx) == expected
+    monkeypatch.setattr(my_dataset, "cpu_count", lambda: cores)
+    assert my_dataset.default_workers(torch.device(device), local_processes) == expected

@@ -25,12 +25,14 @@ from multi_train_utils.distributed_utils import (
     teardown,
 )
 from multi_train_utils.train_eval_utils import (
+    PlacedModel,
+    Schedule,
+    Training,
     build_optimizer,
-    build_scheduler,
     train_one_epoch,
 )
 from my_dataset import MyDataSet, build_transform, normalize
-from utils import list_images
+from utils import list_images, load_split
 
 METRIC_KEYS = {"epoch", "train_loss", "train_total", "val_loss", "val_acc", "val_correct", "val_total", "lr",
                "epoch_seconds", "train_images_per_sec", "world_size", "global_batch_size"}
@@ -47,6 +49,7 @@ def runs(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher, world_size", [("single", 1), ("launch", 2), ("spawn", 2)])
 def test_end_to_end(runs, launcher, world_size):
     out, result = runs[launcher]
@@ -65,11 +68,14 @@ def test_end_to_end(runs, launcher, world_size):
     assert (out / "best.pth").exists()
     assert json.loads((out / "class_indices.json").read_text())["0"] == "daisy"
     assert json.loads((out / "config.json").read_text())["world_size"] == world_size
+    split = load_split(out / "split.json")
+    assert (len(split.train), len(split.val)) == (95, 25) and split.class_names == ckpt["class_names"]
     assert list(out.glob("events.out.tfevents.*"))
     # Rank 0 alone prints: one summary line per epoch, not one per process.
     assert result.stdout.count("epoch 2/2: train loss") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_evaluation_is_exact_on_any_world_size(runs, world_size, tmp_path):
     """The DDP run's last checkpoint, evaluated by 1, 2 or 3 processes over 25 validation
@@ -101,13 +107,14 @@ def _real_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _step(model, ctx, images, labels, model_without_ddp=None):
-    args = argparse.Namespace(weight_decay=1e-4, momentum=0.9, epochs=1, warmup_epochs=0, lrf=1.0)
-    optimizer = build_optimizer(model_without_ddp or model, args, lr=0.05)
-    scheduler = build_scheduler(optimizer, args, steps_per_epoch=1)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_one_epoch(model, [(images, labels)], torch.nn.CrossEntropyLoss(label_smoothing=0.1),
-                    optimizer, scheduler, scaler, ctx, epoch=1, epochs=1)
-    return {k: v.detach().clone() for k, v in (model_without_ddp or model).state_dict().items()}
+    module = model_without_ddp or model
+    args = argparse.Namespace(weight_decay=1e-4, momentum=0.9)
+    training = Training(PlacedModel(module, ctx.device), model, build_optimizer(module, args),
+                        torch.amp.GradScaler("cpu", enabled=False), torch.nn.CrossEntropyLoss(label_smoothing=0.1),
+                        Schedule(peak=0.05, total_steps=1, warmup_steps=0, final_fraction=1.0), steps_per_epoch=1,
+                        global_batch=len(labels) * ctx.world_size)
+    train_one_epoch(training, [(images, labels)], ctx, epoch=1, epochs=1)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def _ddp_worker(rank: int, port: int, out_dir: str, per_rank: int) -> None:
@@ -129,6 +136,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str, per_rank: int) -> None:
         teardown()
 
 
+@pytest.mark.slow
 def test_ddp_with_sync_bn_takes_the_same_step_as_one_process(tmp_path):
     """Two ranks with batch b and SyncBN end one optimizer step with the parameters (and
     BatchNorm statistics) of one process with batch 2b; without SyncBN they do not.
@@ -142,7 +150,7 @@ def test_ddp_with_sync_bn_takes_the_same_step_as_one_process(tmp_path):
     torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
-        single = _step(create_model(5), DistContext(0, 0, 1, 1, torch.device("cpu"), False), images, labels)
+        single = _step(create_model(5), DistContext.single(), images, labels)
     finally:
         torch.set_default_dtype(torch.float32)
     synced = torch.load(tmp_path / "sync_True.pt")
@@ -153,6 +161,7 @@ def test_ddp_with_sync_bn_takes_the_same_step_as_one_process(tmp_path):
     assert gap > 1e-3, "without SyncBN the step should differ; the comparison has no teeth"
 
 
+@pytest.mark.slow
 def test_resume_equals_an_uninterrupted_run_and_the_seed_repeats_it(tmp_path):
     """Run A trains 4 epochs. Run B is the same command, stopped with Ctrl-C after its first
     checkpoint and resumed with --resume auto. B's losses equal A's in every epoch: before the
@@ -183,6 +192,7 @@ def test_resume_equals_an_uninterrupted_run_and_the_seed_repeats_it(tmp_path):
             assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["epoch"], key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher, nproc", [("single", 1), ("launch", 2)])
 def test_non_finite_loss_stops_every_rank(tmp_path, launcher, nproc):
     result = train(launcher, tmp_path, "--epochs", "2", "--lr", "1e20", "--warmup-epochs", "0", nproc=nproc)

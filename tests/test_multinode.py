@@ -8,12 +8,12 @@ import signal
 import sys
 
 import pytest
-from conftest import FAST, SAMPLE, kill_group, launcher_cmd, metrics, start
-from test_faults import start_job, wait_for_epochs, wait_until_gone
+from conftest import FAST, SAMPLE, kill_group, launcher_cmd, metrics, start, start_job, wait_for_epochs, wait_until_gone
 
 from multi_train_utils.distributed_utils import find_free_port
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+pytestmark = pytest.mark.slow
 
 
 def finish(procs, timeout: float = 240) -> list:

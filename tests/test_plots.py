@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SAMPLE, ok, run_cli, train
-from PIL import Image
+from conftest import SAMPLE, call_main, check_png, ok, run_cli, train
 
 import plots
 from utils import list_images, split_samples
@@ -25,25 +25,7 @@ def runs(tmp_path_factory):
     return root / "two_epochs", root / "seed_1"
 
 
-def check_png(path, min_width: int = 400, min_height: int = 300) -> np.ndarray:
-    with Image.open(path) as img:
-        assert img.format == "PNG"
-        assert min_width <= img.width <= 3000 and min_height <= img.height <= 3000, (path, img.size)
-        pixels = np.asarray(img.convert("RGB"))
-    assert pixels.std() > 10, f"{path} looks blank"
-    return pixels
-
-
-def plots_main(argv: list[str]) -> None:
-    """plots.main() in this process: no interpreter start-up."""
-    old = sys.argv
-    sys.argv = ["plots.py", *argv]
-    try:
-        plots.main()
-    finally:
-        sys.argv = old
-
-
+@pytest.mark.slow
 def test_cli_redraws_the_plots_of_a_run(runs):
     run_dir, _ = runs
     result = ok(run_cli([sys.executable, "plots.py", str(run_dir)]))
@@ -53,18 +35,21 @@ def test_cli_redraws_the_plots_of_a_run(runs):
     check_png(run_dir / "augmented_samples.png", min_width=600, min_height=600)  # a 4 x 4 grid
 
 
+@pytest.mark.slow
 def test_overlay_of_two_runs(runs, tmp_path, capsys):
-    plots_main([str(runs[0]), str(runs[1]), "--out", str(tmp_path / "out")])
+    call_main(plots.main, [str(runs[0]), str(runs[1]), "--out", str(tmp_path / "out")])
     assert f"wrote {tmp_path / 'out' / 'compare.png'}" in capsys.readouterr().out
     check_png(tmp_path / "out" / "compare.png", min_width=800)
     assert all((run_dir / name).is_file() for run_dir in runs for name in RUN_PLOTS)
 
 
+@pytest.mark.slow
 def test_one_run_into_another_folder(runs, tmp_path):
-    plots_main([str(runs[1]), "--out", str(tmp_path / "elsewhere")])
+    call_main(plots.main, [str(runs[1]), "--out", str(tmp_path / "elsewhere")])
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == sorted(RUN_PLOTS)
 
 
+@pytest.mark.slow
 def test_the_call_training_makes_is_deterministic(runs, tmp_path):
     """save_run_plots(output_dir, split, img_size, seed) as rank 0 calls it: the augmented
     samples are keyed by (epoch, index), so drawing twice gives the same pixels."""
@@ -81,18 +66,31 @@ def test_the_call_training_makes_is_deterministic(runs, tmp_path):
     assert np.array_equal(pixels, check_png(run_dir / "augmented_samples.png"))
 
 
-def test_without_the_data_folder_only_curves_are_drawn(runs, tmp_path):
+@pytest.mark.slow
+def test_without_the_images_the_split_is_still_drawn(runs, tmp_path):
+    """The run folder moved to a machine without its images: split.json still gives the class
+    balance; only the augmented samples need the pictures themselves."""
     run_dir = tmp_path / "moved"
     run_dir.mkdir()
-    shutil.copy(runs[0] / "metrics.jsonl", run_dir)
-    config = json.loads((runs[0] / "config.json").read_text())
-    (run_dir / "config.json").write_text(json.dumps({**config, "data_path": str(tmp_path / "gone")}))
+    for name in ("metrics.jsonl", "config.json"):
+        shutil.copy(runs[0] / name, run_dir)
+    split = json.loads((runs[0] / "split.json").read_text())
+    gone = {part: [[str(tmp_path / "gone" / Path(p).name), c] for p, c in split[part]] for part in ("train", "val")}
+    (run_dir / "split.json").write_text(json.dumps({**split, **gone}))
     messages: list[str] = []
+    written = plots.save_run_plots(run_dir, log=messages.append)
+    assert written == [run_dir / "curves.png", run_dir / "class_distribution.png"]
+    assert len(messages) == 1 and "is not there" in messages[0] and "augmented_samples.png skipped" in messages[0]
+    for path in written:
+        check_png(path)
+
+    (run_dir / "split.json").unlink()
+    messages.clear()
     assert plots.save_run_plots(run_dir, log=messages.append) == [run_dir / "curves.png"]
-    assert len(messages) == 1 and "is not there" in messages[0] and "skipped" in messages[0]
-    check_png(run_dir / "curves.png")
+    assert len(messages) == 1 and "split.json is missing" in messages[0]
 
 
+@pytest.mark.slow
 def test_without_matplotlib_plots_are_skipped(runs):
     script = (
         "import sys; sys.modules['matplotlib'] = None\n"
@@ -113,7 +111,7 @@ def test_without_matplotlib_plots_are_skipped(runs):
 def test_bad_run_folders(tmp_path, capsys):
     for argv in ([str(tmp_path / "missing")], [str(tmp_path)]):
         with pytest.raises(SystemExit) as exit_info:
-            plots_main(argv)
+            call_main(plots.main, argv)
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
         assert "not a training run folder" in err

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SAMPLE, copy_sample, metrics, ok, run_cli, train
+from conftest import SAMPLE, call_main, copy_sample, metrics, ok, run_cli, train, user_error
 
 import predict
 from multi_train_utils.checkpoint import load_checkpoint
 from utils import list_images, split_samples
+
+pytestmark = pytest.mark.slow  # every test uses a checkpoint from a real training run
 
 CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
 A_JPEG = {name: str(min((SAMPLE / name).glob("*.jpg"))) for name in CLASSES}
@@ -31,13 +33,8 @@ def predict_cli(checkpoint, *argv: str):
 
 def predict_main(argv: list[str], capsys) -> tuple[int, str, str]:
     """predict.main() in this process (no interpreter start-up): exit code, stdout, stderr."""
-    old = sys.argv
-    sys.argv = ["predict.py", *argv]
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            predict.main()
-    finally:
-        sys.argv = old
+    with pytest.raises(SystemExit) as exit_info:
+        call_main(predict.main, argv)
     out, err = capsys.readouterr()
     return exit_info.value.code, out, err
 
@@ -118,23 +115,14 @@ def test_unreadable_files_are_named_and_the_rest_still_predicted(checkpoint, tmp
     assert sorted(predicted) == sorted(good) and len(good) == 5
 
 
-def user_error(argv: list[str], capsys) -> str:
-    """The one error line of predict.main() in this process."""
-    code, _, err = predict_main(argv, capsys)
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
-
-
 def test_user_mistakes(checkpoint, tmp_path, capsys):
     image = A_JPEG["daisy"]
-    assert "does not exist" in user_error(["--checkpoint", str(tmp_path / "nope.pth"), image], capsys)
+    assert "does not exist" in user_error(predict.main, ["--checkpoint", str(tmp_path / "nope.pth"), image], capsys)
     (tmp_path / "notes.pth").write_text("not a checkpoint")
-    assert "cannot read checkpoint" in user_error(["--checkpoint", str(tmp_path / "notes.pth"), image], capsys)
+    assert "cannot read checkpoint" in user_error(predict.main, ["--checkpoint", str(tmp_path / "notes.pth"), image], capsys)
     torch.save({"step": 3}, tmp_path / "other.pth")
-    assert "not a training checkpoint" in user_error(["--checkpoint", str(tmp_path / "other.pth"), image], capsys)
+    assert "not a training checkpoint" in user_error(predict.main, ["--checkpoint", str(tmp_path / "other.pth"), image], capsys)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("no images here")
-    assert "no image found" in user_error(["--checkpoint", str(checkpoint), str(tmp_path / "empty")], capsys)
-    assert "at least 1" in user_error(["--checkpoint", str(checkpoint), image, "--top-k", "0"], capsys)
+    assert "no image found" in user_error(predict.main, ["--checkpoint", str(checkpoint), str(tmp_path / "empty")], capsys)
+    assert "at least 1" in user_error(predict.main, ["--checkpoint", str(checkpoint), image, "--top-k", "0"], capsys)

@@ -1,0 +1,153 @@
+"""How each process gets its data: the readable split, the shared-memory image cache, and the
+training and validation loaders with their distributed samplers."""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, DistributedSampler
+
+from multi_train_utils.config import Plan
+from multi_train_utils.distributed_utils import DistContext, ShardSampler, barrier, broadcast_object, gather_objects
+from my_dataset import EpochSampler, MyDataSet, build_transform, default_workers, eval_resize
+from utils import DataSplit, UserError, drop_unreadable, find_unreadable, load_rgb, split_samples
+
+
+def readable_split(plan: Plan, ctx: DistContext) -> DataSplit:
+    """Leave out files that do not decode, then split. Each rank decodes 1/world_size of the
+    files and the ranks swap their findings, so every rank ends with the same split."""
+    paths = [p for p, _ in plan.samples]
+    mine = find_unreadable(paths[ctx.rank :: ctx.world_size], threads=torch.get_num_threads())
+    unreadable = dict(pair for part in gather_objects(mine, ctx) for pair in part)
+    for path, reason in sorted(unreadable.items()):
+        ctx.print0(f"warning: leaving out {path}: {reason}")
+    samples = drop_unreadable(plan.samples, plan.class_names, unreadable)
+    return split_samples(samples, plan.class_names, plan.args.val_rate, plan.args.seed)
+
+
+def die_with_parent(_worker_id: int) -> None:
+    """A loader worker ends the moment its training process does, however that one ended.
+    Otherwise a worker orphaned by SIGKILL lingers until PyTorch's watchdog notices, holding the
+    job's terminal or log pipe open after the launcher has gone."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
+def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataLoader, DataLoader]:
+    args = plan.args
+    workers = default_workers(ctx.device, ctx.local_world_size) if args.workers is None else args.workers
+    common = dict(
+        batch_size=args.batch_size,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        worker_init_fn=die_with_parent,
+        pin_memory=ctx.device.type == "cuda",
+        # A process started by mp.spawn would also spawn its loader workers, each re-importing
+        # torch (seconds) and receiving a pickled copy of the dataset; forking, Linux's default
+        # everywhere else, shares the parent's memory, the --cache pixels included.
+        multiprocessing_context="fork" if workers > 0 and sys.platform == "linux" else None,
+    )
+    cache = None
+    if args.cache:
+        started = time.perf_counter()
+        cache = SharedImageCache([p for p, _ in split.train + split.val], eval_resize(args.img_size), ctx)
+        ctx.print0(f"cache: {len(cache.shapes)} images, {cache.nbytes / 2**20:.0f} MiB of shared memory, one copy "
+                   f"for the {ctx.local_world_size} process(es) on this machine, filled in "
+                   f"{time.perf_counter() - started:.1f}s")
+    train_set = MyDataSet(split.train, build_transform(args.img_size, train=True), args.img_size, args.seed, cache)
+    val_set = MyDataSet(split.val, build_transform(args.img_size, train=False), eval_resize(args.img_size),
+                        cache=cache)
+    # Every process, the single one included, draws from a DistributedSampler: one code path.
+    train_sampler = EpochSampler(
+        DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
+    )
+    # A last batch of one image breaks BatchNorm in training mode; drop the remainder instead
+    # (the shuffle changes which images fall in it every epoch).
+    drop_last = len(train_sampler) > args.batch_size
+    train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=drop_last, **common)
+    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), ctx), **common)
+    return train_loader, val_loader
+
+
+class SharedImageCache:
+    """Every image decoded once, resized to a short side of `short_side`, kept as uint8 RGB in
+    one shared-memory file per machine.
+
+    Local rank 0 creates the file in /dev/shm, every process on the machine maps it, and the
+    name is removed before the (slow) decoding starts: the memory lives exactly as long as the
+    processes mapping it, so a crash leaves nothing behind. Data-loader workers inherit the
+    mapping when they fork, so there is one copy per machine, not one per rank or per worker.
+    """
+
+    def __init__(self, paths: Sequence[str], short_side: int, ctx: DistContext):
+        if sys.platform != "linux":
+            raise UserError("--cache needs Linux (a /dev/shm file shared with forked loader workers)")
+        self.index = {p: i for i, p in enumerate(paths)}
+        self.shapes = [_cached_shape(p, short_side) for p in paths]  # header reads only
+        sizes = [h * w * 3 for h, w in self.shapes]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.nbytes = int(self.offsets[-1])
+        check_cache_room(self.nbytes)
+        token = broadcast_object(secrets.token_hex(8) if ctx.is_main else None, ctx)
+        path = f"/dev/shm/imgcache-{token}-{ctx.rank - ctx.local_rank}"  # one per machine, even two "machines" on one
+        creator = ctx.local_rank == 0
+        if creator:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, max(1, self.nbytes))
+        barrier(ctx)
+        if not creator:
+            fd = os.open(path, os.O_RDWR)
+        self._map = mmap.mmap(fd, max(1, self.nbytes))
+        os.close(fd)
+        barrier(ctx)
+        if creator:
+            os.unlink(path)
+        self.pixels = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes)
+        mine = range(ctx.local_rank, len(paths), ctx.local_world_size)
+        with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:  # PIL releases the GIL
+            list(pool.map(lambda i: self._fill(i, paths[i], short_side), mine))
+        barrier(ctx)
+
+    def _fill(self, i: int, path: str, short_side: int) -> None:
+        h, w = self.shapes[i]
+        img = load_rgb(path, min_size=short_side).resize((w, h), Image.BILINEAR, reducing_gap=3.0)
+        self.pixels[self.offsets[i] : self.offsets[i + 1]] = np.asarray(img).reshape(-1)
+
+    def get(self, path: str) -> torch.Tensor:
+        """The cached picture as a uint8 CHW tensor viewing the shared memory (no copy)."""
+        i = self.index[path]
+        h, w = self.shapes[i]
+        hwc = self.pixels[self.offsets[i] : self.offsets[i + 1]].reshape(h, w, 3)
+        return torch.from_numpy(hwc).permute(2, 0, 1)
+
+
+def _cached_shape(path: str, short_side: int) -> tuple[int, int]:
+    with Image.open(path) as img:
+        w, h = img.size
+        if img.getexif().get(0x0112) in (5, 6, 7, 8):  # EXIF says: rotated by 90 degrees
+            w, h = h, w
+    scale = short_side / min(w, h)
+    return max(1, round(h * scale)), max(1, round(w * scale))
+
+
+def check_cache_room(nbytes: int) -> None:
+    shm_free = shutil.disk_usage("/dev/shm").free
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    room = min(shm_free, available)
+    if nbytes > 0.8 * room:  # leave room for the model, the loaders and the rest of the machine
+        raise UserError(
+            f"--cache needs {nbytes / 2**30:.2f} GiB of shared memory, but only {room / 2**30:.2f} GiB is "
+            "available (/dev/shm or free RAM): train without --cache, or with a smaller --img-size"
+        )

@@ -1,0 +1,92 @@
+"""The run folder: rank 0 creates it and writes every file in it; a resumed run finds its place.
+
+    config.json  class_indices.json  split.json     once, at the start
+    last.pth  best.pth  metrics.jsonl  TensorBoard  after every epoch
+    eval.json                                       with --eval-only
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from multi_train_utils.checkpoint import copy_atomic, save_atomic
+from multi_train_utils.config import Plan
+from multi_train_utils.distributed_utils import DistContext, broadcast_object
+from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, DataSplit, UserError, save_split, write_json
+
+TENSORBOARD_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "train_images_per_sec")
+
+
+def prepare_output_dir(plan: Plan, ctx: DistContext) -> Path:
+    """Rank 0 picks and creates the run folder and proves it can write there; every rank
+    learns the outcome, so an unwritable folder stops all of them before training."""
+    path, error = None, None
+    if ctx.is_main:
+        path = plan.args.output_dir or f"runs/{plan.launcher}-{time.strftime('%Y%m%d-%H%M%S')}"
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            probe = Path(path) / ".write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+            for stale in Path(path).glob(".*.pth*.tmp"):  # left by a process killed while saving
+                stale.unlink()
+        except OSError as e:
+            error = f"cannot write to the output folder {path!r}: {e.strerror or e}"
+    path, error = broadcast_object((path, error), ctx)
+    if error:
+        raise UserError(error)
+    return Path(path)
+
+
+def resolve_resume(plan: Plan, output_dir: Path, ctx: DistContext) -> str | None:
+    """The checkpoint to resume from: --resume PATH, or for `auto` the folder's last.pth if any."""
+    resume = plan.args.resume
+    if resume != "auto":
+        return resume
+    # Rank 0 decides, so every rank makes the same choice even if a file appears meanwhile.
+    found = (output_dir / "last.pth").is_file() if ctx.is_main else None
+    return str(output_dir / "last.pth") if broadcast_object(found, ctx) else None
+
+
+def write_run_files(output_dir: Path, plan: Plan, split: DataSplit, epochs_done: int, ctx: DistContext) -> None:
+    """What a run records once: its configuration, classes and exact split. A resumed run
+    also forgets the epochs its checkpoint does not hold."""
+    write_json(output_dir / CONFIG_FILE, {**vars(plan.args), "launcher": plan.launcher, "world_size": ctx.world_size,
+                                          "torch": torch.__version__})
+    write_json(output_dir / "class_indices.json", dict(enumerate(split.class_names)))
+    save_split(split, output_dir / SPLIT_FILE)
+    restore_metrics(output_dir / METRICS_FILE, epochs_done)
+
+
+def restore_metrics(path: Path, completed_epochs: int) -> None:
+    """Keep only the epochs the checkpoint includes: a run killed after writing metrics for
+    epoch k+1 but before its checkpoint must not log epoch k+1 twice once resumed."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["epoch"] <= completed_epochs:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass  # a line cut short by a kill mid-append
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def save_epoch(output_dir: Path, checkpoint: dict[str, Any], record: dict[str, Any], is_best: bool,
+               writer: SummaryWriter) -> None:
+    """Rank 0's files for one epoch. The checkpoint goes first: metrics.jsonl never mentions
+    an epoch that a resumed run would train again."""
+    save_atomic(checkpoint, output_dir / "last.pth")
+    if is_best:
+        copy_atomic(output_dir / "last.pth", output_dir / "best.pth")
+    with open(output_dir / METRICS_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    for key in TENSORBOARD_SCALARS:
+        writer.add_scalar(key, record[key], record["epoch"])
+    writer.flush()

@@ -1,0 +1,152 @@
+"""The house's shape: imports flow one way, from the entry scripts down to utils.py.
+
+    entry scripts       train_*.py, predict.py, benchmarks/ (plots.py's command line lives in plots.py)
+    multi_train_utils/  distributed state, config, checkpoint format, loaders, the run
+    model.py  my_dataset.py  plots.py     know nothing of processes or launchers
+    utils.py            files, images, errors
+
+A module may import its own layer or the ones below. No module imports an entry script or
+another module's `_private` names, and there are no cycles. A new module must be given a layer
+here, which is the moment to decide where it belongs.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+ENTRY_SCRIPTS = {"train_single_gpu", "train_multi_gpu_using_launch", "train_multi_gpu_using_spawn", "predict"}
+LAYERS = {"utils": 0, "model": 1, "my_dataset": 1, "plots": 1, "multi_train_utils": 2, "benchmarks": 3,
+          **{name: 3 for name in ENTRY_SCRIPTS}}
+
+
+def project_modules(root: Path = REPO) -> dict[str, str]:
+    """Dotted module name -> source, for every module of the project (tests excluded)."""
+    files = [*root.glob("*.py"), *root.glob("multi_train_utils/*.py"), *root.glob("benchmarks/*.py")]
+    modules = {}
+    for path in files:
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path.read_text()
+    return modules
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[0]
+    if top not in LAYERS:
+        raise AssertionError(f"{module} has no layer: add it to LAYERS in tests/test_layout.py")
+    return LAYERS[top]
+
+
+def imports(module: str, source: str, known: set[str]) -> list[tuple[str, list[str], int]]:
+    """(imported project module, names taken from it, line) for every import in `source`."""
+    found = []
+    package = module if module in {m.split(".")[0] for m in known if "." in m} else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from . import x, from .x import y
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                if submodule in known:
+                    found.append((submodule, [], node.lineno))
+                else:
+                    found.append((base, [alias.name], node.lineno))
+    return [(name, names, line) for name, names, line in found if name in known]
+
+
+def private_attributes(source: str, known: set[str]) -> list[tuple[str, int]]:
+    """`module._name` uses, where `module` was bound by `import module` (or `import module as m`)."""
+    aliases = {}
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:
+                    aliases[alias.asname or alias.name] = alias.name
+    return [(f"{aliases[node.value.id]}.{node.attr}", node.lineno) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+            and node.attr.startswith("_") and not node.attr.startswith("__")]
+
+
+def violations(modules: dict[str, str]) -> list[str]:
+    known = set(modules)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    problems = []
+    for module, source in modules.items():
+        for imported, names, line in imports(module, source, known):
+            where = f"{module}:{line} imports {imported}"
+            same_package = imported.split(".")[0] == module.split(".")[0]
+            if imported.split(".")[0] in ENTRY_SCRIPTS:
+                problems.append(f"{where}, an entry script")
+            elif layer(imported) > layer(module):
+                problems.append(f"{where}, a layer above it")
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private and not same_package:
+                problems.append(f"{where}'s private {', '.join(private)}")
+            if imported != module:
+                graph[module].add(imported)
+        problems += [f"{module}:{line} uses the private {name}" for name, line in private_attributes(source, known)]
+    problems += [f"import cycle: {' -> '.join(cycle)}" for cycle in cycles(graph)]
+    return problems
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected part of the graph that has one."""
+    found, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            found.append(path[path.index(node):] + [node])
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, path + [node])
+        done.add(node)
+
+    for start in sorted(graph):
+        visit(start, [])
+    return found
+
+
+def test_the_project_imports_only_downward():
+    modules = project_modules()
+    assert {"utils", "model", "my_dataset", "plots", "multi_train_utils.train_eval_utils",
+            "train_single_gpu"} <= modules.keys()
+    assert violations(modules) == []
+
+
+def with_change(module: str, extra: str) -> dict[str, str]:
+    modules = project_modules()
+    modules[module] = modules.get(module, "") + "\n" + extra + "\n"
+    return modules
+
+
+@pytest.mark.parametrize("module, line, complaint", [
+    # The kinds of import this layout exists to prevent, each one the project once had.
+    ("model", "from multi_train_utils.checkpoint import why_unloadable", "a layer above it"),
+    ("my_dataset", "from multi_train_utils.distributed_utils import DistContext, broadcast_object", "a layer above it"),
+    ("utils", "import model", "a layer above it"),
+    ("benchmarks", "from train_multi_gpu_using_spawn import stop", "an entry script"),
+    ("multi_train_utils.checkpoint", "import predict", "an entry script"),
+    ("benchmarks", "from plots import _not_public", "private _not_public"),
+    ("multi_train_utils.config", "import my_dataset\nx = my_dataset._secret", "uses the private my_dataset._secret"),
+    ("multi_train_utils.checkpoint", "from multi_train_utils import train_eval_utils", "import cycle"),
+])
+def test_each_kind_of_wrong_import_is_caught(module, line, complaint):
+    problems = violations(with_change(module, line))
+    assert any(complaint in p for p in problems), problems
+
+
+def test_a_module_without_a_layer_is_caught():
+    modules = {**project_modules(), "newthing": "import utils\n"}
+    with pytest.raises(AssertionError, match="newthing has no layer"):
+        violations(modules)

@@ -1,0 +1,158 @@
+"""The training core in one process: weights, freezing, precision, the schedule, and whether it learns."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import FAST, SAMPLE, call_main
+
+import train_single_gpu
+from model import create_model, freeze_backbone
+from multi_train_utils.checkpoint import load_weights
+from multi_train_utils.config import get_args_parser
+from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.train_eval_utils import (
+    autocast_dtype,
+    build_schedule,
+    build_training,
+    place_model,
+    train_one_epoch,
+)
+from my_dataset import MyDataSet, build_transform
+from utils import list_images
+
+CPU = torch.device("cpu")
+
+
+def args_for(*argv: str):
+    return get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *argv])
+
+
+def sample_batch(count: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` real photos spread over the classes, as uint8 pixels (validation transform)."""
+    _, samples = list_images(str(SAMPLE))
+    picked = samples[:: len(samples) // count][:count]
+    dataset = MyDataSet(picked, build_transform(size, train=False), size)
+    images, labels = zip(*(dataset[i] for i in range(count)))
+    return torch.stack(images), torch.tensor(labels)
+
+
+def saved_weights(tmp_path, name: str, state: dict) -> str:
+    path = tmp_path / name
+    torch.save(state, path)
+    return str(path)
+
+
+def test_weights_with_another_head_are_skipped_and_reported(tmp_path):
+    """An ImageNet-style file: the 1000-class head does not fit five classes, the rest loads."""
+    donor = create_model(1000)
+    path = saved_weights(tmp_path, "imagenet_like.pth", donor.state_dict())
+    model = create_model(5)
+    head_before = model.fc.weight.detach().clone()
+    messages: list[str] = []
+    load_weights(model, path, messages.append)
+    assert torch.equal(model.conv1.weight, donor.conv1.weight)
+    assert torch.equal(model.layer4[2].bn2.running_var, donor.layer4[2].bn2.running_var)
+    assert torch.equal(model.fc.weight, head_before)  # kept its own initial values
+    assert len(messages) == 1 and "skipped 2 (fc.bias, fc.weight)" in messages[0]
+    assert "kept initial values for fc.bias, fc.weight" in messages[0]
+
+
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "_orig_mod.module."])
+def test_weights_saved_from_ddp_or_a_compiled_model_load(tmp_path, prefix):
+    donor = create_model(5)
+    state = {prefix + k: v for k, v in donor.state_dict().items()}
+    model = create_model(5)
+    messages: list[str] = []
+    load_weights(model, saved_weights(tmp_path, "wrapped.pth", {"model": state}), messages.append)
+    for key, value in donor.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    assert "skipped 0" in messages[0] and "kept initial values" not in messages[0]
+
+
+def test_frozen_backbone_keeps_its_batchnorm_statistics():
+    """--freeze-layers: only the classifier learns, and the backbone's BatchNorm layers stay in
+    eval mode, so a training step leaves their running statistics exactly as they were."""
+    torch.manual_seed(0)
+    model = create_model(5)
+    freeze_backbone(model)
+    placed = place_model(model, args_for("--freeze-layers", "--amp", "off"), CPU)
+    training = build_training(placed, args_for("--freeze-layers", "--amp", "off", "--epochs", "1"),
+                              DistContext.single(), steps_per_epoch=2)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["fc.weight", "fc.bias"]
+    stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    frozen = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("fc.")}
+    head = model.fc.weight.detach().clone()
+    train_one_epoch(training, [sample_batch(8)] * 2, DistContext.single(), epoch=1, epochs=1)
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert bns and not any(m.training for m in bns) and model.fc.training
+    for key, value in model.state_dict().items():
+        if key in stats or key in frozen:
+            assert torch.equal(value, frozen.get(key, stats.get(key))), key
+    assert not torch.equal(model.fc.weight, head), "the classifier should have learned"
+
+
+@pytest.mark.parametrize("choice, expected", [("off", None), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_amp_choices_train_in_that_precision(choice, expected):
+    """Each explicit --amp value gives its autocast dtype, fp16 with a loss scaler, and trains."""
+    assert autocast_dtype(choice, CPU) == expected
+    args = args_for("--amp", choice, "--epochs", "1")
+    torch.manual_seed(0)
+    placed = place_model(create_model(5), args, CPU)
+    training = build_training(placed, args, DistContext.single(), steps_per_epoch=1)
+    assert placed.amp_dtype == expected and training.scaler.is_enabled() == (choice == "fp16")
+    result = train_one_epoch(training, [sample_batch(4)], DistContext.single(), epoch=1, epochs=1)
+    assert torch.isfinite(torch.tensor(result["train_loss"]))
+
+
+def test_amp_auto_follows_the_hardware(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert autocast_dtype("auto", CPU) is None  # emulated bf16 would be slower than fp32
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert autocast_dtype("auto", CPU) == torch.bfloat16
+    with pytest.raises(SystemExit):
+        get_args_parser("test").parse_args(["--amp", "fp8"])
+
+
+def test_schedule_is_a_function_of_the_step():
+    """Linear warm-up to the peak, a cosine down to lrf x peak by the last step, and nothing
+    else: a resumed run at any world size asks the same function for the same step."""
+    schedule = build_schedule(args_for("--epochs", "10", "--warmup-epochs", "1", "--lrf", "0.01"), 0.4, 20)
+    assert (schedule.total_steps, schedule.warmup_steps) == (200, 20)
+    warmup = [schedule(s) for s in range(20)]
+    assert warmup == sorted(warmup) and warmup[0] == pytest.approx(0.4 / 21)
+    assert schedule(20) == pytest.approx(0.4)
+    decay = [schedule(s) for s in range(20, 201)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+    assert schedule(110) == pytest.approx(0.4 * (0.01 + 0.99 * 0.5))  # half way through the cosine
+    assert schedule(200) == pytest.approx(0.004) and schedule(10_000) == pytest.approx(0.004)
+    no_warmup = build_schedule(args_for("--epochs", "1", "--warmup-epochs", "0"), 0.1, 5)
+    assert no_warmup(0) == pytest.approx(0.1)
+
+
+def test_it_learns():
+    """A handful of steps on eight photos drive the training loss well down: the step, the
+    loss, the optimizer and the schedule are wired together as they should be."""
+    args = args_for("--epochs", "1", "--lr", "0.1", "--warmup-epochs", "0", "--lrf", "1", "--amp", "off")
+    torch.manual_seed(0)
+    placed = place_model(create_model(5), args, CPU)
+    training = build_training(placed, args, DistContext.single(), steps_per_epoch=1)
+    batch = sample_batch(8)
+    losses = [train_one_epoch(training, [batch], DistContext.single(), epoch=1, epochs=1)["train_loss"]
+              for _ in range(10)]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_eval_only_with_weights(tmp_path, capsys):
+    """--eval-only --weights: the validation split scored with a plain state dict, no training."""
+    torch.manual_seed(3)
+    weights = saved_weights(tmp_path, "plain.pth", create_model(5).state_dict())
+    out = tmp_path / "run"
+    call_main(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(out), *FAST,
+                                      "--eval-only", "--weights", weights])
+    result = json.loads((out / "eval.json").read_text())
+    assert result["val_total"] == 25 and result["weights"] == weights and 0 <= result["val_correct"] <= 25
+    assert f"eval {weights}: acc" in capsys.readouterr().out
+    assert not (out / "last.pth").exists() and not (out / "metrics.jsonl").exists()
