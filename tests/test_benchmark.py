@@ -1,4 +1,4 @@
-"""benchmark.py run for real, tiny: every subcommand on the bundled photos, its JSON and its PNG."""
+"""python -m benchmarks run for real, tiny: every subcommand on the bundled photos, its JSON and its PNG."""
 from __future__ import annotations
 
 import json
@@ -9,10 +9,13 @@ import pytest
 from conftest import SAMPLE, ok, run_cli
 from PIL import Image
 
-import benchmark
+from benchmarks import ours_recipe
+
+pytestmark = pytest.mark.slow
 
 TINY = ["--data-path", str(SAMPLE), "--img-size", "32"]
-THROUGHPUT = [sys.executable, "benchmark.py", "throughput", *TINY, "--steps", "2", "--warmup", "1", "--repeats", "1"]
+BENCHMARKS = [sys.executable, "-m", "benchmarks"]
+THROUGHPUT = [*BENCHMARKS, "throughput", *TINY, "--steps", "2", "--warmup", "1", "--repeats", "1"]
 MEASUREMENT_KEYS = {"config", "world_size", "input", "images_per_sec", "median_step_seconds", "step_seconds",
                     "first_step_seconds", "first_batch_seconds", "warmup_excess_seconds", "setup_seconds",
                     "steps_timed", "vm_hwm_mb_per_rank", "peak_pss_mb", "steady_peak_pss_mb", "repeat",
@@ -34,7 +37,7 @@ def test_throughput_one_process(tmp_path):
     result = ok(run_cli([*THROUGHPUT, "--configs", "seed", "ours", "--world-sizes", "1", "--out", str(out)]))
     assert "| seed | 1 | " in result.stdout and "| ours | 1 | " in result.stdout  # the markdown table
     data = json.loads(out.read_text())
-    assert data["command"].startswith("python benchmark.py throughput")
+    assert data["command"].startswith("python -m benchmarks throughput")
     machine = data["machine"]
     assert machine["cores"] >= 1 and machine["torch"] and machine["torchvision"] and "cpu_model" in machine
     assert len(data["load_average"]["start"]) == 3 and len(data["load_average"]["end"]) == 3
@@ -72,14 +75,14 @@ def test_throughput_two_processes(tmp_path):
 
 
 def test_missing_option_is_skipped_with_a_reason(monkeypatch):
-    monkeypatch.setitem(benchmark.OURS_OPTIONS, "ours-future", ["--no-such-option"])
-    assert "--no-such-option" in benchmark.missing_option("ours-future")
-    assert benchmark.missing_option("ours") is None and benchmark.missing_option("seed") is None
+    monkeypatch.setitem(ours_recipe.OURS_OPTIONS, "ours-future", ["--no-such-option"])
+    assert "--no-such-option" in ours_recipe.missing_option("ours-future")
+    assert ours_recipe.missing_option("ours") is None and ours_recipe.missing_option("seed") is None
 
 
 def test_data_paths(tmp_path):
     out = tmp_path / "data.json"
-    result = ok(run_cli([sys.executable, "benchmark.py", "data", *TINY, "--images", "10", "--repeats", "1",
+    result = ok(run_cli([*BENCHMARKS, "data", *TINY, "--images", "10", "--repeats", "1",
                          "--out", str(out)]))
     data = json.loads(out.read_text())
     assert data["settings"]["images"] == 10
@@ -92,7 +95,7 @@ def test_data_paths(tmp_path):
 
 def test_accuracy(tmp_path):
     out = tmp_path / "accuracy.json"
-    ok(run_cli([sys.executable, "benchmark.py", "accuracy", *TINY, "--epochs", "1", "--out", str(out),
+    ok(run_cli([*BENCHMARKS, "accuracy", *TINY, "--epochs", "1", "--out", str(out),
                 "--batch-size", "8", "--seed", "3", "--runs-dir", str(tmp_path / "runs")]))
     data = json.loads(out.read_text())
     assert data["settings"]["batch_size"] == 8 and data["settings"]["seed"] == 3

@@ -1,0 +1,75 @@
+"""`python -m benchmarks {throughput,data,accuracy}`: the command line of the three experiments."""
+from __future__ import annotations
+
+import argparse
+
+import benchmarks
+from benchmarks.accuracy import accuracy
+from benchmarks.data import data_paths
+from benchmarks.ours_recipe import CONFIGS
+from benchmarks.throughput import throughput
+from multi_train_utils.config import BoolFlag
+from utils import exit_on_error
+
+
+def config_spec(text: str) -> tuple[str, int | None]:
+    """A --configs value: NAME, or NAME@N for that configuration at world size N only."""
+    name, _, size = text.partition("@")
+    if name not in CONFIGS or (size and not size.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME or NAME@N with NAME one of {', '.join(CONFIGS)}")
+    return name, int(size) if size else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # prog: under -m, argparse would name the program __main__.py.
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=benchmarks.__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser, out: str, img_size: int) -> None:
+        p.add_argument("--data-path", required=True, help="one sub-folder of real photos per class")
+        p.add_argument("--img-size", type=int, default=img_size)
+        p.add_argument("--out", default=out, help="JSON result; a PNG of the same name goes next to it")
+        p.add_argument("--machine", default=None, help="the machine's name in the results (default: from the CPU)")
+
+    t = sub.add_parser("throughput", help="training images/s, loader images/s, epoch time and memory per config")
+    common(t, "docs/benchmark/cpu-throughput.json", 224)
+    t.add_argument("--configs", nargs="+", type=config_spec, default=[("seed", None), ("ours", None)],
+                   metavar="NAME[@N]", help=f"{', '.join(CONFIGS)}; NAME@N: that one at world size N only "
+                                            "(default: seed ours)")
+    t.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2])
+    t.add_argument("--launcher", choices=["spawn", "single"], default="spawn",
+                   help="spawn: fresh processes per measurement (needed for world size > 1 and for memory); "
+                        "single: world size 1 inside this process, e.g. under a profiler")
+    t.add_argument("--batch-size", type=int, default=16, help="per process")
+    t.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
+    t.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--synthetic", action=BoolFlag, default=True, help="random tensors on the device, no loader")
+    t.add_argument("--real", action=BoolFlag, default=True, help="the photos through each config's loader")
+
+    d = sub.add_parser("data", help="images/s of each JPEG decode + transform path in one process")
+    common(d, "docs/benchmark/cpu-data.json", 224)
+    d.add_argument("--images", type=int, default=0, help="images timed per path, spread over the classes (0: all)")
+    d.add_argument("--repeats", type=int, default=5)
+
+    a = sub.add_parser("accuracy", help="validation accuracy of the seed recipe and of ours, trained from scratch")
+    common(a, "docs/benchmark/accuracy.json", 128)
+    a.add_argument("--epochs", type=int, default=20)
+    a.add_argument("--batch-size", type=int, default=16)
+    a.add_argument("--seed", type=int, default=0, help="initial weights, split and augmentation, for both recipes")
+    a.add_argument("--variant", action="append", default=[], metavar="OPTIONS",
+                   help="also train ours with these extra options, e.g. --variant '--lr 0.2' (repeatable)")
+    a.add_argument("--skip-seed", action="store_true", help="train only ours and its variants")
+    a.add_argument("--runs-dir", default=None, help="where ours' run folders go (default: runs/benchmark-accuracy-TIME)")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    with exit_on_error():
+        {"throughput": throughput, "data": data_paths, "accuracy": accuracy}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
