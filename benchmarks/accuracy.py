@@ -15,8 +15,8 @@ from benchmarks.instruments import PLOT_DPI, ROOT, Run, command_line, new_figure
 from benchmarks.ours_recipe import ours_plan
 from benchmarks.seed_recipe import train_seed
 from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.train_eval_utils import readable_split
-from plots import read_metrics
+from multi_train_utils.loaders import readable_split
+from utils import read_metrics
 
 
 def train_ours(args: argparse.Namespace, options: list[str], out_dir: Path) -> tuple[list[dict[str, Any]], str]:

@@ -21,8 +21,8 @@ import PIL
 import torch
 import torchvision
 
-from multi_train_utils.distributed_utils import cpu_count
 from plots import figure_class
+from utils import cpu_count
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: where the launchers are, and its git state
 # Reading a process's PSS walks its page tables: ~30 ms for a 1.5 GB training process here. Every

@@ -22,7 +22,7 @@ from torchvision import transforms as v1
 
 from model import create_model
 from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, setup_single
-from multi_train_utils.train_eval_utils import evaluate
+from multi_train_utils.train_eval_utils import PlacedModel, evaluate
 from my_dataset import IMAGENET_MEAN, IMAGENET_STD, eval_resize
 from utils import DataSplit, Sample, TrainingDiverged
 
@@ -140,7 +140,7 @@ def train_seed(args: argparse.Namespace, split: DataSplit, log: Callable[[str], 
         scheduler.step()
         train_seconds = time.perf_counter() - t0
         # At one process the project's exact evaluation counts what the seed's did: argmax hits / images.
-        val = evaluate(model, val_loader, ctx)
+        val = evaluate(PlacedModel(model, ctx.device), val_loader, ctx)
         records.append({"epoch": epoch + 1, "train_loss": train_loss, **val, "lr": lr, "epoch_seconds": train_seconds,
                         "eval_seconds": time.perf_counter() - t0 - train_seconds})
         log(f"seed epoch {epoch + 1}/{epochs}: train loss {train_loss:.4f}, val acc {val['val_acc']:.4f}, "

@@ -36,7 +36,8 @@ from multi_train_utils.distributed_utils import (
     stop,
     teardown,
 )
-from multi_train_utils.train_eval_utils import build_loaders, build_training, peak_lr, place_model, readable_split
+from multi_train_utils.loaders import build_loaders, readable_split
+from multi_train_utils.train_eval_utils import build_training, place_model, train_one_epoch
 from utils import DataSplit, UserError, exit_on_error
 
 JOB_TIMEOUT_SECONDS = 1200  # one measurement; a hung process group must not stall the whole benchmark
@@ -102,10 +103,10 @@ def build_trainer(job: Job, ctx: DistContext) -> Trainer:
     loader = build_loaders(split, job.plan, ctx)[0] if real else None
     torch.manual_seed(args.seed)
     model = create_model(len(split.class_names))
-    memory_format, amp_dtype = place_model(model, args, ctx)
+    placed = place_model(model, args, ctx.device)
     steps_per_epoch = max(1, len(split.train) // (args.batch_size * ctx.world_size))
-    training = build_training(model, args, ctx, peak_lr(args, ctx), steps_per_epoch, memory_format, amp_dtype)
-    return Trainer(lambda batches: training.train_one_epoch(batches, ctx, 1, 1), memory_format, loader,
+    training = build_training(placed, args, ctx, steps_per_epoch)
+    return Trainer(lambda batches: train_one_epoch(training, batches, ctx, 1, 1), placed.memory_format, loader,
                    loader.sampler.set_epoch if loader else _no_epoch)
 
 

@@ -4,14 +4,10 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
 import pytest
-from conftest import SAMPLE, ok, run_cli
-from PIL import Image
+from conftest import SAMPLE, check_png, ok, run_cli
 
 from benchmarks import ours_recipe
-
-pytestmark = pytest.mark.slow
 
 TINY = ["--data-path", str(SAMPLE), "--img-size", "32"]
 BENCHMARKS = [sys.executable, "-m", "benchmarks"]
@@ -22,16 +18,11 @@ MEASUREMENT_KEYS = {"config", "world_size", "input", "images_per_sec", "median_s
                     "load_average"}
 
 
-def check_png(path) -> None:
-    with Image.open(path) as img:
-        assert img.format == "PNG" and img.width >= 400 and img.height >= 300
-        assert np.asarray(img.convert("RGB")).std() > 10, f"{path} looks blank"
-
-
 def summary_row(result: dict, config: str, world_size: int, kind: str) -> dict:
     return next(r for r in result["summary"] if (r["config"], r["world_size"], r["input"]) == (config, world_size, kind))
 
 
+@pytest.mark.slow
 def test_throughput_one_process(tmp_path):
     out = tmp_path / "throughput.json"
     result = ok(run_cli([*THROUGHPUT, "--configs", "seed", "ours", "--world-sizes", "1", "--out", str(out)]))
@@ -59,6 +50,7 @@ def test_throughput_one_process(tmp_path):
     check_png(out.with_suffix(".png"))
 
 
+@pytest.mark.slow
 def test_throughput_two_processes(tmp_path):
     out = tmp_path / "throughput.json"
     ok(run_cli([*THROUGHPUT, "--configs", "ours", "--world-sizes", "2", "--no-synthetic", "--out", str(out)]))
@@ -80,6 +72,7 @@ def test_missing_option_is_skipped_with_a_reason(monkeypatch):
     assert ours_recipe.missing_option("ours") is None and ours_recipe.missing_option("seed") is None
 
 
+@pytest.mark.slow
 def test_data_paths(tmp_path):
     out = tmp_path / "data.json"
     result = ok(run_cli([*BENCHMARKS, "data", *TINY, "--images", "10", "--repeats", "1",
@@ -93,6 +86,7 @@ def test_data_paths(tmp_path):
     assert f"fastest decode + transform: {data['fastest']}" in result.stdout
 
 
+@pytest.mark.slow
 def test_accuracy(tmp_path):
     out = tmp_path / "accuracy.json"
     ok(run_cli([*BENCHMARKS, "accuracy", *TINY, "--epochs", "1", "--out", str(out),
