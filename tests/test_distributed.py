@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import FAST, REPO, SAMPLE, launcher_cmd, metrics, ok, train
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -159,6 +160,31 @@ def test_ddp_with_sync_bn_takes_the_same_step_as_one_process(tmp_path):
     assert worst < 1e-5, worst
     gap = max((unsynced[k] - single[k]).abs().max().item() for k in single)
     assert gap > 1e-3, "without SyncBN the step should differ; the comparison has no teeth"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_sync_batchnorm_matches_batchnorm_under_autocast(dtype):
+    """One rank of a real gloo group: CPUSyncBatchNorm gives BatchNorm2d's output, gradient and
+    running statistics, also when autocast feeds it bf16 activations (as --amp does on the CPU)."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        torch.manual_seed(0)
+        x = torch.randn(6, 4, 5, 5) * 3 + 1
+        plain, sync = torch.nn.BatchNorm2d(4), convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(4)),
+                                                                      torch.device("cpu"))[0]
+        outputs = []
+        for layer in (plain, sync):
+            inp = x.to(dtype).requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                out = layer(inp)
+            out.float().pow(2).sum().backward()
+            outputs.append((out.float(), inp.grad.float(), layer.running_mean, layer.running_var))
+        tolerance = {"atol": 3e-2, "rtol": 3e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+        assert out.dtype == dtype  # the sync layer hands back what it was given
+        for a, b in zip(*outputs):
+            torch.testing.assert_close(a, b, **tolerance)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.slow
