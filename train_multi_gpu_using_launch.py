@@ -9,35 +9,40 @@ Rank, local rank and world size come from the environment that torchrun, the leg
 `python -m torch.distributed.launch` or SLURM sets. Run without any of them, it trains in
 one process. See README.md for every option; all three launchers share them.
 """
-import argparse
+import os
 
 from multi_train_utils.config import get_args_parser, prepare
 from multi_train_utils.distributed_utils import (
     env_ranks,
+    parse_dist_url,
     setup_process_group,
     setup_single,
     teardown,
 )
 from multi_train_utils.train_eval_utils import run
-from utils import exit_on_error
+from utils import UserError, exit_on_error
 
 
 def main() -> None:
-    parser = get_args_parser(__doc__.splitlines()[0])
-    # torch.distributed.launch without --use_env passes the local rank as an argument.
-    parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = get_args_parser(__doc__.splitlines()[0], launcher="launch").parse_args()
     with exit_on_error():
         ranks = env_ranks(args.local_rank)
-        plan = prepare(args, launcher="launch", verbose=ranks is None or ranks[1] == 0)
+        rank, local_rank, world_size, local_world_size = ranks or (0, 0, 1, 1)
+        if args.world_size is not None and args.world_size != world_size:
+            raise UserError(f"--world-size is {args.world_size}, but {world_size} process(es) were started: "
+                            "start as many as you ask for (torchrun --nproc_per_node, srun --ntasks), or drop it")
+        plan = prepare(args, launcher="launch", verbose=local_rank == 0)
+        if rank == 0 and parse_dist_url(args.dist_url):
+            where = (f"the one torchrun or srun set, {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+                     if ranks else "not needed for one process")
+            print(f"--dist-url {args.dist_url} is not used: the rendezvous is {where}")
         if ranks is None:
             print("not started by torchrun or srun: training in one process")
-            run(plan, setup_single(None))
+            run(plan, setup_single(args.device))
             return
-        rank, local_rank, world_size, local_world_size = ranks
         try:
             ctx = setup_process_group(rank, local_rank, world_size, local_world_size,
-                                      None, args.backend, args.dist_timeout)
+                                      args.device, args.backend, args.dist_timeout)
             run(plan, ctx)
         finally:
             teardown()

@@ -18,6 +18,9 @@ from multi_train_utils.distributed_utils import (
     STOP_GRACE_SECONDS,
     host_store,
     keep_gloo_on_loopback,
+    parse_device,
+    parse_dist_url,
+    resolve_device,
     setup_process_group,
     stop,
     teardown,
@@ -29,7 +32,7 @@ from utils import UserError, exit_on_error, stderr_line
 def worker(rank: int, plan: Plan, world_size: int, store_address: tuple[str, int]) -> None:
     with exit_on_error():
         try:
-            ctx = setup_process_group(rank, rank, world_size, world_size, None, plan.args.backend,
+            ctx = setup_process_group(rank, rank, world_size, world_size, plan.args.device, plan.args.backend,
                                       plan.args.dist_timeout, store_address)
             run(plan, ctx)
         finally:
@@ -37,21 +40,20 @@ def worker(rank: int, plan: Plan, world_size: int, store_address: tuple[str, int
 
 
 def main() -> None:
-    parser = get_args_parser(__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="number of processes (default: the number of visible GPUs)")
-    args = parser.parse_args()
+    args = get_args_parser(__doc__.splitlines()[0], launcher="spawn").parse_args()
     with exit_on_error():
-        gpus = torch.cuda.device_count()
+        gpus = torch.cuda.device_count() if parse_device(args.device).type == "cuda" else 0
         world_size = args.world_size or gpus
         if world_size < 1:
             raise UserError("no GPU is visible: pass --world-size N to train with N CPU processes (gloo)")
         if gpus and world_size > gpus:
             raise UserError(f"--world-size {world_size} is more than the {gpus} visible GPU(s)")
+        resolve_device(args.device, 0, world_size, distributed=True)  # what every process would check, once
         plan = prepare(args, launcher="spawn")
         # All processes run on this machine, so by default nothing listens beyond loopback.
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        store = host_store(host, int(os.environ.get("MASTER_PORT", "0")), args.dist_timeout)
+        host, port = parse_dist_url(args.dist_url) or (os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                                        int(os.environ.get("MASTER_PORT", "0")))
+        store = host_store(host, port, args.dist_timeout)
         loopback = keep_gloo_on_loopback(host)
         if loopback:
             print(f"GLOO_SOCKET_IFNAME={loopback} (gloo stays on loopback)")

@@ -12,9 +12,7 @@ from utils import exit_on_error
 
 
 def main() -> None:
-    parser = get_args_parser(__doc__.splitlines()[0])
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
-    args = parser.parse_args()
+    args = get_args_parser(__doc__.splitlines()[0], launcher="single").parse_args()
     with exit_on_error():
         plan = prepare(args, launcher="single")
         run(plan, setup_single(args.device))

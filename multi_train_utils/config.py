@@ -10,6 +10,7 @@ import dataclasses
 from pathlib import Path
 
 from multi_train_utils.checkpoint import load_checkpoint, read_state_dict
+from multi_train_utils.distributed_utils import parse_device, parse_dist_url
 from utils import DataSplit, Sample, UserError, download_flower_photos, list_images
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -23,8 +24,9 @@ class BoolFlag(argparse.Action):
     value, when given, is parsed strictly, so old command lines keep their intended meaning.
     """
 
-    def __init__(self, option_strings: list[str], dest: str, default: bool = False, help: str | None = None):
-        negated = [f"--no-{s[2:]}" for s in option_strings if s.startswith("--")]
+    def __init__(self, option_strings: list[str], dest: str, default: bool = False, help: str | None = None,
+                 negatable: bool = True):
+        negated = [f"--no-{s[2:]}" for s in option_strings if s.startswith("--")] if negatable else []
         super().__init__(option_strings + negated, dest, nargs="?", default=default, metavar="BOOL", help=help)
 
     def __call__(self, parser, namespace, value, option_string=None):  # type: ignore[override]
@@ -45,14 +47,15 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def get_args_parser(description: str) -> argparse.ArgumentParser:
-    """The options every launcher shares; each launcher adds the few of its own."""
+def get_args_parser(description: str, launcher: str = "single") -> argparse.ArgumentParser:
+    """The options every launcher shares, and the few that only `launcher` (single, launch or
+    spawn) has, with the original scripts' spellings in a group of their own."""
     p = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
     data = p.add_argument_group("data")
     data.add_argument("--data-path", default="dataset/flower_photos", help="one sub-folder of images per class")
     data.add_argument("--download", action=BoolFlag, help="fetch flower_photos.tgz into --data-path when it is missing")
     data.add_argument("--val-rate", type=float, default=0.2, help="share of each class held out for validation")
-    data.add_argument("--num-classes", "--num_classes", type=int, default=None,
+    data.add_argument("--num-classes", type=int, default=None,
                       help="number of classes; inferred from the folders, and checked against them when given")
     data.add_argument("--img-size", type=int, default=224, help="training crop; validation resizes to img/0.875 and crops")
     data.add_argument("--cache", action=BoolFlag,
@@ -77,7 +80,7 @@ def get_args_parser(description: str) -> argparse.ArgumentParser:
     model.add_argument("--weights", default=None,
                        help="initial weights: a state dict, one of our checkpoints, or 'imagenet'")
     model.add_argument("--freeze-layers", action=BoolFlag, help="train only the classifier")
-    model.add_argument("--sync-bn", "--syncBN", action=BoolFlag,
+    model.add_argument("--sync-bn", action=BoolFlag,
                        help="BatchNorm statistics over all processes (multi-process runs only)")
 
     speed = p.add_argument_group("speed")
@@ -89,6 +92,12 @@ def get_args_parser(description: str) -> argparse.ArgumentParser:
     speed.add_argument("--compile", action=BoolFlag, help="torch.compile the model (pays off only on long runs)")
 
     run = p.add_argument_group("run")
+    run.add_argument("--device", default=None,
+                     help="cuda, cuda:N, N (GPU N) or cpu (default: cuda when present, else cpu); with several "
+                          "processes per machine each takes the GPU of its local rank, so give the type only")
+    if launcher == "spawn":
+        run.add_argument("--world-size", type=int, default=None,
+                         help="number of processes (default: the number of visible GPUs)")
     run.add_argument("--output-dir", default=None, help="run folder (default: runs/<launcher>-<time>)")
     run.add_argument("--resume", default=None, metavar="PATH|auto",
                      help="continue from a checkpoint; 'auto' takes <output-dir>/last.pth when it exists")
@@ -97,6 +106,24 @@ def get_args_parser(description: str) -> argparse.ArgumentParser:
                      help="process-group backend (default: nccl on CUDA, gloo on the CPU)")
     run.add_argument("--dist-timeout", type=float, default=1800,
                      help="seconds a collective may wait for a peer before the job fails")
+
+    old = p.add_argument_group("the original scripts' spellings",
+                               "accepted so that their command lines and job scripts run unchanged")
+    old.add_argument("--num_classes", dest="num_classes", type=int, default=None, help="same as --num-classes")
+    old.add_argument("--syncBN", dest="sync_bn", action=BoolFlag, negatable=False,
+                     help="same as --sync-bn; --syncBN False means off")
+    if launcher == "spawn":
+        old.add_argument("--dist-url", default="env://",
+                         help="where the processes meet: tcp://HOST:PORT, or env:// for MASTER_ADDR/MASTER_PORT "
+                              "(unset: a free port on 127.0.0.1)")
+    if launcher == "launch":
+        old.add_argument("--dist-url", default="env://",
+                         help="env:// or tcp://HOST:PORT; accepted, but the address torchrun or srun sets wins")
+    if launcher == "launch":
+        old.add_argument("--world-size", type=int, default=None,
+                         help="checked against the world size torchrun or srun gives")
+        # torch.distributed.launch without --use_env passes the local rank as an argument.
+        old.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -125,6 +152,8 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
         raise UserError("--num-classes must be at least 2")
     if args.eval_only and not (args.resume or args.weights):
         raise UserError("--eval-only needs --resume PATH or --weights PATH to evaluate")
+    parse_device(args.device)  # a malformed --device fails here, before any process starts
+    parse_dist_url(getattr(args, "dist_url", "env://"))
     if args.resume == "auto" and args.output_dir is None:
         raise UserError("--resume auto needs --output-dir (it looks for <output-dir>/last.pth)")
     if args.weights and args.weights != "imagenet":

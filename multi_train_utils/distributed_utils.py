@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import os
 import socket
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,19 +48,36 @@ class DistContext:
             print(*args, **kwargs, flush=True)
 
 
-def resolve_device(spec: str | None, local_rank: int) -> torch.device:
-    """`None` means CUDA when present, else the CPU; a bare `cuda` means this rank's own GPU."""
+def parse_device(spec: str | None) -> torch.device:
+    """`--device` as written: `None` means CUDA when present, else the CPU; a bare number N
+    means GPU N, as in the original scripts."""
     if spec is None:
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if "," in spec:
+        raise UserError(f"--device {spec!r} names several devices: give one (cuda or cpu), and choose the GPUs "
+                        f"with CUDA_VISIBLE_DEVICES={spec}")
     try:
-        device = torch.device(spec)
+        return torch.device(f"cuda:{spec}" if spec.isdigit() else spec)
     except RuntimeError as e:
         raise UserError(f"--device {spec!r} is not a device: {e}") from None
+
+
+def resolve_device(spec: str | None, local_rank: int, local_world_size: int = 1,
+                   distributed: bool = False) -> torch.device:
+    """The device of this process: `--device`'s type, and on CUDA the GPU of its local rank.
+    An explicit GPU index is for one process alone; in a job it must agree with that rule."""
+    device = parse_device(spec)
     if device.type != "cuda":
         return device
     available = torch.cuda.device_count()
     if available == 0:
         raise UserError(f"--device {spec} asked for CUDA, but no GPU is visible")
+    if distributed and device.index is not None and (local_world_size > 1 or device.index != local_rank):
+        raise UserError(
+            f"--device {spec} names GPU {device.index}, but in a job each process takes the GPU of its local rank "
+            f"({local_world_size} process(es) on this machine): pass --device cuda, and choose the GPUs with "
+            "CUDA_VISIBLE_DEVICES"
+        )
     index = local_rank if device.index is None else device.index
     if index >= available:
         raise UserError(
@@ -103,7 +121,7 @@ def setup_process_group(
     """Join the process group of the given ranks: through the store at `store_address`
     (hosted by the spawn launcher), else through MASTER_ADDR/MASTER_PORT (torchrun, SLURM).
     `timeout_s` bounds every collective: a dead or stuck peer becomes an error, not a hang."""
-    device = resolve_device(device_spec, local_rank)
+    device = resolve_device(device_spec, local_rank, local_world_size, distributed=True)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -183,6 +201,20 @@ def env_ranks(local_rank_arg: int | None = None) -> tuple[int, int, int, int] | 
 def teardown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def parse_dist_url(url: str) -> tuple[str, int] | None:
+    """`--dist-url` (the original scripts' init_method): None for env://, else (host, port)."""
+    if url == "env://":
+        return None
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or not port:
+        raise UserError(f"--dist-url {url!r} is not env:// or tcp://HOST:PORT")
+    return parts.hostname, port
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

@@ -49,10 +49,11 @@ def test_every_launcher_documents_the_same_options():
         for option in ("--data-path", "--download", "--val-rate", "--num-classes", "--epochs", "--batch-size",
                        "--lr", "--lrf", "--momentum", "--weight-decay", "--warmup-epochs", "--label-smoothing",
                        "--weights", "--freeze-layers", "--sync-bn", "--img-size", "--workers", "--seed",
-                       "--output-dir", "--resume", "--eval-only", "--backend"):
+                       "--output-dir", "--resume", "--eval-only", "--backend", "--device", "--num_classes", "--syncBN"):
             assert option in text, (launcher, option)
-        assert ("--device" in text) == (launcher == "single")
-        assert ("--world-size" in text) == (launcher == "spawn")
+        assert "--device" in text and "the original scripts' spellings" in text
+        assert ("--world-size" in text) == (launcher != "single")
+        assert ("--dist-url" in text) == (launcher != "single")
 
 
 @pytest.fixture
