@@ -50,15 +50,15 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
     torch.nn.SyncBatchNorm only runs on accelerators. This computes the same thing with a
     differentiable all_reduce: the forward pass sums (count, sum) and then the squared
     deviations over ranks, and the backward pass sums the matching gradients, so N ranks with
-    batch b compute what one process with batch N*b would. The statistics are taken in fp32
-    whatever autocast hands in (bf16 sums drift, and the running buffers are fp32); the output
-    goes back in the input's dtype.
+    batch b compute what one process with batch N*b would. The statistics are taken in fp32 at
+    least, whatever autocast hands in (bf16 sums drift, and the running buffers are fp32); the
+    output goes back in the input's dtype.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and dist.is_available() and dist.is_initialized()):
             return super().forward(x)
-        in_dtype, x = x.dtype, x.float()
+        in_dtype, x = x.dtype, x.to(torch.promote_types(x.dtype, torch.float32))
         channels = x.shape[1]
         dims = [0, 2, 3]
         local = torch.cat([x.sum(dims), x.new_tensor([x.numel() / channels])])

@@ -3,6 +3,7 @@ sampler that makes augmentation reproducible. Knows nothing of processes or laun
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -123,18 +124,21 @@ class MyDataSet(Dataset):
 
 
 class EpochSampler(Sampler[tuple[int, int]]):
-    """A DistributedSampler whose indices carry the epoch, for `MyDataSet`'s seeding."""
+    """A DistributedSampler whose indices carry the epoch, for `MyDataSet`'s seeding. An epoch
+    can start part-way, after the samples a stopped run already trained on."""
 
     def __init__(self, sampler: DistributedSampler):
         self.sampler = sampler
         self.epoch = 0
+        self.skip = 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
         self.epoch = epoch
+        self.skip = skip
         self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        return ((self.epoch, i) for i in self.sampler)
+        return ((self.epoch, i) for i in itertools.islice(self.sampler, self.skip, None))
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        return max(0, len(self.sampler) - self.skip)

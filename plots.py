@@ -3,10 +3,10 @@
     python plots.py runs/single-20240101-120000                 # redraw its PNGs in the run folder
     python plots.py runs/single-a runs/launch-b --out plots/    # each run's PNGs, plus plots/compare.png
 
-A run folder gets curves.png, class_distribution.png and augmented_samples.png;
-`save_run_plots` draws them at the end of training, and this command redraws them from the
-run's metrics.jsonl and split.json. Without matplotlib the plots are skipped with a message
-and training is unaffected.
+A run folder gets curves.png, class_distribution.png and augmented_samples.png, and from its
+evaluation report confusion_matrix.png and mistakes.png; `save_run_plots` draws them at the end
+of training, and this command redraws them from the run's metrics.jsonl, split.json and
+report.json. Without matplotlib the plots are skipped with a message and training is unaffected.
 """
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ from my_dataset import MyDataSet, build_transform
 from utils import (
     CONFIG_FILE,
     METRICS_FILE,
+    REPORT_FILE,
     SPLIT_FILE,
     DataSplit,
     UserError,
     exit_on_error,
+    load_rgb,
     load_split,
     read_json,
     read_metrics,
@@ -108,6 +110,81 @@ def plot_augmented_samples(split: DataSplit, img_size: int, seed: int, path: Pat
     fig.savefig(path, dpi=100)
 
 
+def plot_confusion_matrix(report: dict[str, Any], path: Path) -> None:
+    """Counts, and the same rows normalised (each row: where that class's images went)."""
+    Figure = figure_class()
+    names, counts = report["class_names"], report["confusion_matrix"]
+    rates = [[c / max(1, sum(row)) for c in row] for row in counts]
+    side = max(4.5, 0.6 * len(names) + 2.5)
+    fig = Figure(figsize=(2 * side, side), layout="constrained")
+    for ax, values, title, text in zip(fig.subplots(1, 2), (counts, rates), ("images", "share of the true class"),
+                                       ("{:d}", "{:.2f}")):
+        ax.imshow(values, cmap="Blues", vmin=0)
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+        ax.set_yticks(range(len(names)), names)
+        ax.set(xlabel="predicted", ylabel="true", title=title)
+        peak = max(max(row) for row in values) or 1
+        if len(names) <= 20:  # beyond that the numbers would not fit their cells
+            for i, row in enumerate(values):
+                for j, value in enumerate(row):
+                    ax.text(j, i, text.format(value), ha="center", va="center", fontsize=8,
+                            color="white" if value > peak / 2 else "black")
+    fig.suptitle(f"{report['weights']}: accuracy {report['accuracy']:.3f}, macro F1 {report['macro_f1']:.3f}",
+                 fontsize=9)
+    fig.savefig(path, dpi=100)
+
+
+def plot_mistakes(report: dict[str, Any], path: Path) -> None:
+    """The most confidently wrong validation images, each with its true and predicted class."""
+    Figure = figure_class()
+    mistakes = report["mistakes"]
+    columns = max(1, min(4, len(mistakes)))
+    rows = max(1, -(-len(mistakes) // columns))
+    fig = Figure(figsize=(2.6 * columns, 2.9 * rows), layout="constrained")
+    axes = fig.subplots(rows, columns, squeeze=False).flat
+    for ax, mistake in zip(axes, mistakes):
+        image = load_rgb(mistake["path"], min_size=128)
+        image.thumbnail((256, 256))
+        ax.imshow(image)
+        ax.set_title(f"true: {mistake['true']}\npredicted: {mistake['predicted']} ({mistake['probability']:.2f})",
+                     fontsize=8)
+    for ax in fig.axes:
+        ax.axis("off")
+    if not mistakes:
+        fig.axes[0].text(0.5, 0.5, "no validation image was misclassified", ha="center", va="center")
+    fig.suptitle(f"most confidently wrong: {report['weights']}", fontsize=9)
+    fig.savefig(path, dpi=100)
+
+
+def save_report_plots(run_dir: Path, log: Log = print, out_dir: Path | None = None) -> list[Path]:
+    """confusion_matrix.png and mistakes.png from the run's report.json, if it has one; never raises."""
+    if figure_class() is None:
+        log(MISSING_MATPLOTLIB)
+        return []
+    run_dir = Path(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run_dir
+    try:
+        report = read_json(run_dir / REPORT_FILE)
+    except (OSError, ValueError) as e:
+        log(f"warning: cannot read {run_dir / REPORT_FILE}: {type(e).__name__}: {e}")
+        return []
+    if not report:
+        return []
+    return [path for path in (draw(out_dir / "confusion_matrix.png", plot_confusion_matrix, report, log=log),
+                              draw(out_dir / "mistakes.png", plot_mistakes, report, log=log)) if path]
+
+
+def draw(path: Path, plot: Callable[..., None], *args: Any, log: Log) -> Path | None:
+    """`plot(*args, path)`, or a logged warning: a picture must never fail the run that draws it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        plot(*args, path)
+    except Exception as e:  # noqa: BLE001
+        log(f"warning: could not draw {path}: {type(e).__name__}: {e}")
+        return None
+    return path
+
+
 def save_run_plots(
     run_dir: Path,
     split: DataSplit | None = None,
@@ -116,8 +193,9 @@ def save_run_plots(
     log: Log = print,
     out_dir: Path | None = None,
 ) -> list[Path]:
-    """Draw curves.png, class_distribution.png and augmented_samples.png into `out_dir`
-    (default: `run_dir`) and return the files written.
+    """Draw curves.png, class_distribution.png and augmented_samples.png, and the report's
+    pictures where the run has a report.json, into `out_dir` (default: `run_dir`); return the
+    files written.
 
     Without `split`, the split, image size and seed are the run's own, from its split.json and
     config.json. Never raises for a plot: a failure is logged and the other plots are still
@@ -130,12 +208,8 @@ def save_run_plots(
     out_dir = Path(out_dir) if out_dir is not None else run_dir
     written: list[Path] = []
 
-    def draw(name: str, plot: Callable[..., None], *args: Any) -> None:
-        try:
-            plot(*args, out_dir / name)
-        except Exception as e:  # noqa: BLE001 -- a picture must never fail the training that draws it
-            log(f"warning: could not draw {out_dir / name}: {type(e).__name__}: {e}")
-        else:
+    def draw_into(name: str, plot: Callable[..., None], *args: Any) -> None:
+        if draw(out_dir / name, plot, *args, log=log):
             written.append(out_dir / name)
 
     try:
@@ -148,21 +222,21 @@ def save_run_plots(
         log(f"warning: no plots for {run_dir}: {type(e).__name__}: {e}")
         return written
     if records:
-        draw("curves.png", plot_curves, records)
+        draw_into("curves.png", plot_curves, records)
     else:
         log(f"{run_dir / METRICS_FILE} holds no epoch yet: curves.png skipped")
     if split is None:
         log(f"{run_dir / SPLIT_FILE} is missing: class_distribution.png and augmented_samples.png skipped")
-        return written
-    draw("class_distribution.png", plot_class_distribution, split)
-    img_size = img_size or config.get("img_size")
-    missing = next((p for p, _ in split.train if not Path(p).is_file()), None)
-    if missing is not None:
-        where = "" if Path(missing).is_absolute() else f" (relative to {Path.cwd()})"
-        log(f"training image {missing!r}{where} of {run_dir} is not there: augmented_samples.png skipped")
-    elif img_size:
-        draw("augmented_samples.png", plot_augmented_samples, split, img_size, config.get("seed", seed))
-    return written
+    else:
+        draw_into("class_distribution.png", plot_class_distribution, split)
+        img_size = img_size or config.get("img_size")
+        missing = next((p for p, _ in split.train if not Path(p).is_file()), None)
+        if missing is not None:
+            where = "" if Path(missing).is_absolute() else f" (relative to {Path.cwd()})"
+            log(f"training image {missing!r}{where} of {run_dir} is not there: augmented_samples.png skipped")
+        elif img_size:
+            draw_into("augmented_samples.png", plot_augmented_samples, split, img_size, config.get("seed", seed))
+    return written + save_report_plots(run_dir, log, out_dir)
 
 
 def run_label(run_dir: Path) -> str:

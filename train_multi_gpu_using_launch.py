@@ -19,7 +19,7 @@ from multi_train_utils.distributed_utils import (
     setup_single,
     teardown,
 )
-from multi_train_utils.train_eval_utils import run
+from multi_train_utils.run import run
 from utils import UserError, exit_on_error
 
 

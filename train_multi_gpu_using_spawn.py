@@ -8,6 +8,7 @@ free port on 127.0.0.1 unless MASTER_ADDR/MASTER_PORT are set. On a machine with
 --world-size N runs N CPU processes with gloo. See README.md for every option.
 """
 import os
+import signal
 import sys
 
 import torch
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp
 from multi_train_utils.config import Plan, get_args_parser, prepare
 from multi_train_utils.distributed_utils import (
     STOP_GRACE_SECONDS,
+    forward_signal,
     host_store,
     keep_gloo_on_loopback,
     parse_device,
@@ -25,7 +27,7 @@ from multi_train_utils.distributed_utils import (
     stop,
     teardown,
 )
-from multi_train_utils.train_eval_utils import run
+from multi_train_utils.run import run
 from utils import UserError, exit_on_error, stderr_line
 
 
@@ -59,6 +61,8 @@ def main() -> None:
             print(f"GLOO_SOCKET_IFNAME={loopback} (gloo stays on loopback)")
 
     context = mp.spawn(worker, args=(plan, world_size, (host, store.port)), nprocs=world_size, join=False)
+    # A scheduler may signal the launcher alone: its processes then save where they are and exit (75).
+    signal.signal(signal.SIGTERM, lambda *_: forward_signal(context.processes, signal.SIGTERM))
     try:
         while not context.join(grace_period=STOP_GRACE_SECONDS):
             pass

@@ -7,7 +7,7 @@ See README.md for every option; all three launchers share them.
 """
 from multi_train_utils.config import get_args_parser, prepare
 from multi_train_utils.distributed_utils import setup_single
-from multi_train_utils.train_eval_utils import run
+from multi_train_utils.run import run
 from utils import exit_on_error
 
 

@@ -32,6 +32,7 @@ Sample = tuple[str, int]  # (path, class index)
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 SPLIT_FILE = "split.json"
+REPORT_FILE = "report.json"
 
 
 class UserError(Exception):
@@ -44,6 +45,13 @@ class TrainingDiverged(Exception):
     """The loss became NaN or infinite: one `error:` line on stderr, exit code 1."""
 
     exit_code = 1
+
+
+class Preempted(Exception):
+    """SIGTERM stopped the run at a step boundary and its position is saved: one `stopped:`
+    line on stderr, exit code 75 (EX_TEMPFAIL, "try again later": requeue and resume)."""
+
+    exit_code = 75
 
 
 def stderr_line(text: str) -> None:
@@ -60,6 +68,9 @@ def exit_on_error() -> Iterator[None]:
         yield
     except (UserError, TrainingDiverged) as e:
         stderr_line(f"error: {e}")
+        sys.exit(e.exit_code)
+    except Preempted as e:
+        stderr_line(f"stopped: {e}")
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         stderr_line("interrupted")

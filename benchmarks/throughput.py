@@ -99,7 +99,7 @@ def build_trainer(job: Job, ctx: DistContext) -> Trainer:
         return Trainer(lambda batches: seed_train_one_epoch(model, optimizer, batches, ctx, 1), torch.contiguous_format,
                        loader, sampler.set_epoch if sampler else _no_epoch)
 
-    # Ours, assembled by the same functions as multi_train_utils.train_eval_utils.run.
+    # Ours, assembled by the same functions as multi_train_utils.run.run.
     loader = build_loaders(split, job.plan, ctx)[0] if real else None
     torch.manual_seed(args.seed)
     model = create_model(len(split.class_names))

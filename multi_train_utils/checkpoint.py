@@ -32,10 +32,14 @@ class Progress:
 
     epoch: int = 0  # epochs completed
     best_acc: float = -1.0
+    # A run stopped inside epoch `epoch + 1` (SIGTERM): the steps each process had taken in it,
+    # and its training sums so far (loss, correct, images) over all processes.
+    steps_in_epoch: int = 0
+    epoch_sums: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def record(self, epoch: int, val_acc: float) -> bool:
         """Note a finished epoch; True when its accuracy is the best so far."""
-        self.epoch = epoch
+        self.epoch, self.steps_in_epoch, self.epoch_sums = epoch, 0, (0.0, 0.0, 0.0)
         is_best = val_acc > self.best_acc
         self.best_acc = max(self.best_acc, val_acc)
         return is_best
@@ -51,6 +55,8 @@ def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
         "scaler": scaler.state_dict(),
         "epoch": progress.epoch,
         "best_acc": progress.best_acc,
+        "steps_in_epoch": progress.steps_in_epoch,
+        "epoch_sums": list(progress.epoch_sums),
         "args": vars(args),
         "class_names": class_names,
         "world_size": world_size,  # informative: a checkpoint resumes at any world size
@@ -69,7 +75,8 @@ def restore_progress(checkpoint: dict[str, Any], optimizer: torch.optim.Optimize
     taken from the optimizer state: the loop sets it from the step at every step."""
     optimizer.load_state_dict(checkpoint["optimizer"])
     scaler.load_state_dict(checkpoint["scaler"])
-    return Progress(checkpoint["epoch"], checkpoint["best_acc"])
+    return Progress(checkpoint["epoch"], checkpoint["best_acc"], checkpoint.get("steps_in_epoch", 0),
+                    tuple(checkpoint.get("epoch_sums", (0.0, 0.0, 0.0))))
 
 
 def save_atomic(obj: Any, path: Path) -> None:

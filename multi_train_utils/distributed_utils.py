@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import signal
 import socket
 import urllib.parse
 from collections.abc import Iterator
@@ -240,6 +241,28 @@ def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     )
 
 
+class TerminationRequest:
+    """SIGTERM, which SLURM, Kubernetes and most schedulers send some time before they kill a
+    job, turned into a flag: the training loop reads it at its next check, and the ranks then
+    stop together. In effect inside the `with` block (the main thread's)."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def __enter__(self) -> TerminationRequest:
+        self._previous = signal.signal(signal.SIGTERM, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.received = True
+
+    def __call__(self) -> bool:
+        return self.received
+
+
 def keep_gloo_on_loopback(host: str) -> str | None:
     """Point gloo at the loopback interface when the rendezvous is on loopback, so that the
     processes of a one-machine job connect over it and nothing listens beyond the machine.
@@ -263,6 +286,13 @@ def stop(processes: list, grace_seconds: float = STOP_GRACE_SECONDS) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+def forward_signal(processes: list, signum: int) -> None:
+    """Pass a signal on to the processes this one started (those still running)."""
+    for p in processes:
+        if p.is_alive():
+            os.kill(p.pid, signum)
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:

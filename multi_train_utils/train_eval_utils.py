@@ -1,47 +1,22 @@
-"""The training run every launcher shares: the model on its device, the training step and its
-schedule, exact evaluation, and `run()`, which reads as the run's phases.
-
-`run(plan, ctx)` is the only entry point: it behaves the same in one process and in N, the
-differences being confined to `DistContext` and the reductions in distributed_utils.
-"""
+"""Training and evaluation: the model on its device, the optimizer and its learning-rate
+schedule, one training epoch, and exact evaluation. The run that strings them together is
+multi_train_utils/run.py."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import math
-import time
-from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
-from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from model import convert_sync_batchnorm, create_model, freeze_backbone, set_train_mode
-from multi_train_utils.checkpoint import (
-    Progress,
-    load_checkpoint,
-    load_weights,
-    make_checkpoint,
-    restore_progress,
-    restore_weights,
-)
-from multi_train_utils.config import Plan, split_summary
-from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum, broadcast_buffers
-from multi_train_utils.loaders import build_loaders, readable_split
-from multi_train_utils.run_folder import (
-    prepare_output_dir,
-    resolve_resume,
-    save_epoch,
-    write_run_files,
-)
+from model import convert_sync_batchnorm, set_train_mode
+from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum
 from my_dataset import normalize
-from plots import save_run_plots
-from utils import DataSplit, TrainingDiverged, write_json
+from utils import TrainingDiverged
 
 # Steps between looks at the loss on the host: each look is one small collective and one
 # host sync, so the loop never waits on the device at every step.
@@ -138,6 +113,19 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.O
     return torch.optim.SGD(groups, lr=0.0, momentum=args.momentum, nesterov=args.momentum > 0, fused=True)
 
 
+class StoppedInEpoch(Exception):
+    """Every rank stopped at the same step because one was asked to (SIGTERM)."""
+
+    def __init__(self, steps_done: int, sums: list[float]):
+        super().__init__(f"stopped after step {steps_done}")
+        self.steps_done = steps_done
+        self.sums = sums  # loss sum, correct, images over all ranks so far
+
+
+def never() -> bool:
+    return False
+
+
 @dataclasses.dataclass(frozen=True)
 class Training:
     """Everything a training step uses, assembled once by `build_training`."""
@@ -150,6 +138,7 @@ class Training:
     schedule: Schedule
     steps_per_epoch: int
     global_batch: int  # images per optimizer step, over all processes
+    stop_requested: Callable[[], bool] = never  # read every CHECK_EVERY steps; all ranks then stop
 
 
 def build_training(placed: PlacedModel, args: argparse.Namespace, ctx: DistContext, steps_per_epoch: int) -> Training:
@@ -175,21 +164,25 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoch: int, epochs: int) -> dict[str, float]:
-    """One pass over this rank's shard. Loss and accuracy stay on the device as running sums
-    and are all-reduced once at the end; the host looks at them every CHECK_EVERY steps."""
+def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoch: int, epochs: int,
+                    steps_done: int = 0, sums_so_far: Sequence[float] = (0.0, 0.0, 0.0)) -> dict[str, float]:
+    """One pass over this rank's shard, or its rest after `steps_done` steps that summed to
+    `sums_so_far` over all ranks. Loss and accuracy stay on the device as running sums and are
+    all-reduced once at the end; the host looks at them every CHECK_EVERY steps, which is also
+    when the ranks agree to stop (StoppedInEpoch) if one of them was asked to."""
     model, optimizer, scaler, placed = training.model, training.optimizer, training.scaler, training.placed
     set_train_mode(model)
     device = ctx.device
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, images
+    # loss sum, correct, images; what earlier steps summed to is counted once, on rank 0
+    sums = torch.tensor(sums_so_far if ctx.is_main else (0.0, 0.0, 0.0), dtype=torch.float64, device=device)
     images_seen = 0
     first_bad = torch.full((), NO_BAD_STEP, dtype=torch.int64, device=device)
     # Bars on rank 0 only, and only on a terminal (disable=None): logs stay free of them.
     bar = tqdm(loader, desc=f"epoch {epoch}/{epochs}", disable=None if ctx.is_main else True, leave=False,
                dynamic_ncols=True)
-    steps = len(loader)
+    steps = steps_done + len(loader)
     steps_before = (epoch - 1) * training.steps_per_epoch
-    for step, (images, labels) in enumerate(bar):
+    for step, (images, labels) in enumerate(bar, start=steps_done):
         images = placed.input(images)
         labels = labels.to(device, non_blocking=True)
         set_lr(optimizer, training.schedule(steps_before + step))
@@ -209,20 +202,36 @@ def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoc
         # Remember the first non-finite step on the device; no sync here.
         first_bad = torch.where(~torch.isfinite(loss) & (first_bad == NO_BAD_STEP), step + 1, first_bad)
         if (step + 1) % CHECK_EVERY == 0 or step + 1 == steps:
-            bad = int(all_reduce_min(first_bad.clone(), ctx))
+            stop = torch.tensor(-1 if training.stop_requested() else 0, device=device)
+            bad, stopping = all_reduce_min(torch.stack([first_bad, stop]), ctx).tolist()  # one collective
             if bad != NO_BAD_STEP:
                 raise TrainingDiverged(
                     f"the loss became NaN or infinite at epoch {epoch}, step {bad} of {steps}: "
                     "lower --lr, or check the data"
                 )
+            if stopping < 0:
+                sums[2] += images_seen
+                raise StoppedInEpoch(step + 1, all_reduce_sum(sums, ctx).tolist())
             if ctx.is_main:
-                loss_sum, correct = sums[:2].tolist()
-                bar.set_postfix(loss=f"{loss_sum / images_seen:.4f}", acc=f"{correct / images_seen:.3f}",
+                loss_sum, correct, before = sums.tolist()
+                bar.set_postfix(loss=f"{loss_sum / (before + images_seen):.4f}",
+                                acc=f"{correct / (before + images_seen):.3f}",
                                 lr=f"{optimizer.param_groups[0]['lr']:.2e}", refresh=False)
     bar.close()
-    sums[2] = images_seen  # once per epoch
+    sums[2] += images_seen  # once per epoch
     loss_sum, correct, count = all_reduce_sum(sums, ctx).tolist()
-    return {"train_loss": loss_sum / count, "train_acc": correct / count, "train_images": int(count)}
+    # train_images: what this call trained on (a resumed epoch's rest), for the images/s figure
+    return {"train_loss": loss_sum / count, "train_acc": correct / count, "train_images": int(count - sums_so_far[2])}
+
+
+def predictions(placed: PlacedModel, loader: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    """(logits, labels, dataset indices) of each batch of this rank's shard, the model in eval
+    mode and in fp32. The caller disables autograd."""
+    placed.module.eval()
+    indices = iter(loader.sampler)  # the order the loader draws its batches in
+    for images, labels in loader:
+        labels = labels.to(placed.device, non_blocking=True)
+        yield placed.module(placed.input(images)), labels, [next(indices) for _ in range(len(labels))]
 
 
 @torch.no_grad()
@@ -231,130 +240,12 @@ def evaluate(placed: PlacedModel, loader: Iterable, ctx: DistContext) -> dict[st
     disjoint shard without padding, so every image counts exactly once. Always in fp32: it is
     a small share of the time, and bf16 rounding could differ with the batch composition,
     which changes with the world size, and flip a borderline image."""
-    placed.module.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, images
     images_seen = 0
     criterion = nn.CrossEntropyLoss(reduction="sum")
-    for images, labels in loader:
-        labels = labels.to(ctx.device, non_blocking=True)
-        logits = placed.module(placed.input(images))
+    for logits, labels, _ in predictions(placed, loader):
         sums[:2] += torch.stack([criterion(logits, labels).double(), (logits.argmax(1) == labels).sum().double()])
         images_seen += labels.numel()
     sums[2] = images_seen
     loss_sum, correct, count = all_reduce_sum(sums, ctx).tolist()
     return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_correct": int(correct), "val_total": int(count)}
-
-
-def run(plan: Plan, ctx: DistContext) -> None:
-    args = plan.args
-    split = readable_split(plan, ctx)
-    output_dir = prepare_output_dir(plan, ctx)
-    resume_path = resolve_resume(plan, output_dir, ctx)
-    announce(plan, split, output_dir, ctx)
-    checkpoint = load_checkpoint(resume_path) if resume_path else None
-    placed = build_model(args, split.class_names, checkpoint, resume_path, ctx)
-    train_loader, val_loader = build_loaders(split, plan, ctx)
-    if args.eval_only:
-        evaluate_only(placed, val_loader, resume_path or args.weights, output_dir, ctx)
-        return
-    training = build_training(placed, args, ctx, len(train_loader))
-    progress = Progress()
-    if checkpoint is not None:
-        progress = restore_progress(checkpoint, training.optimizer, training.scaler)
-        ctx.print0(f"resumed from {resume_path}: {progress.epoch} epoch(s) done, best val_acc {progress.best_acc:.4f}")
-        del checkpoint
-    if ctx.is_main:
-        write_run_files(output_dir, plan, split, progress.epoch, ctx)
-    train_epochs(training, train_loader, val_loader, plan, split, progress, output_dir, ctx)
-    if ctx.is_main:
-        save_run_plots(output_dir, split, args.img_size, args.seed)
-    ctx.print0(f"done: best val_acc {progress.best_acc:.4f}; checkpoints and logs in {output_dir}")
-
-
-def announce(plan: Plan, split: DataSplit, output_dir: Path, ctx: DistContext) -> None:
-    """The configuration, printed once, and what it amounts to on this many processes."""
-    args = plan.args
-    global_batch = args.batch_size * ctx.world_size
-    ctx.print0(f"config: {vars(args)}")
-    ctx.print0(split_summary(split))
-    ctx.print0(
-        f"{plan.launcher}: {ctx.world_size} process(es) on {ctx.device.type}, global batch {global_batch}, "
-        f"peak lr {peak_lr(args, ctx):.4g} (= {args.lr} x {global_batch}/256), output in {output_dir}"
-    )
-
-
-def build_model(args: argparse.Namespace, class_names: list[str], checkpoint: dict[str, Any] | None,
-                source: str | None, ctx: DistContext) -> PlacedModel:
-    """ResNet34 with its initial weights (seeded, --weights, or the checkpoint's), on the device."""
-    torch.manual_seed(args.seed)  # the same initial weights on every rank and in every rerun
-    model = create_model(len(class_names))
-    if args.weights:
-        load_weights(model, args.weights, ctx.print0)
-    if args.freeze_layers:
-        freeze_backbone(model)
-    if checkpoint is not None:
-        restore_weights(checkpoint, model, class_names, source)
-    placed = place_model(model, args, ctx.device)
-    precision = "fp32" if placed.amp_dtype is None else str(placed.amp_dtype).removeprefix("torch.") + " autocast"
-    ctx.print0(f"precision: {precision}, memory format: {'channels_last' if args.channels_last else 'NCHW'}")
-    return placed
-
-
-def evaluate_only(placed: PlacedModel, val_loader: DataLoader, source: str, output_dir: Path, ctx: DistContext) -> None:
-    result = evaluate(placed, val_loader, ctx)
-    ctx.print0(f"eval {source}: acc {result['val_acc']:.4f} ({result['val_correct']}/{result['val_total']}), "
-               f"loss {result['val_loss']:.4f}")
-    if ctx.is_main:
-        write_json(output_dir / "eval.json", {**result, "weights": source, "world_size": ctx.world_size})
-
-
-def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataLoader, plan: Plan, split: DataSplit,
-                 progress: Progress, output_dir: Path, ctx: DistContext) -> None:
-    """Train, evaluate and save, epoch after epoch, from where `progress` stands."""
-    args = plan.args
-    writer = SummaryWriter(log_dir=str(output_dir)) if ctx.is_main else None
-    try:
-        for epoch in range(progress.epoch + 1, args.epochs + 1):
-            train_loader.sampler.set_epoch(epoch)
-            started = time.perf_counter()
-            train = train_one_epoch(training, train_loader, ctx, epoch, args.epochs)
-            train_seconds = time.perf_counter() - started
-            broadcast_buffers(training.placed.module, ctx)
-            val = evaluate(training.placed, val_loader, ctx)
-            record = epoch_record(epoch, train, val, training, split, train_seconds,
-                                  time.perf_counter() - started - train_seconds, ctx)
-            is_best = progress.record(epoch, val["val_acc"])
-            if ctx.is_main:
-                checkpoint = make_checkpoint(training.placed.module, training.optimizer, training.scaler, progress,
-                                             args, split.class_names, ctx.world_size)
-                save_epoch(output_dir, checkpoint, record, is_best, writer)
-                print(epoch_line(record, args.epochs, is_best), flush=True)
-    finally:
-        if writer is not None:
-            writer.close()
-
-
-def epoch_record(epoch: int, train: dict[str, float], val: dict[str, float], training: Training, split: DataSplit,
-                 train_seconds: float, eval_seconds: float, ctx: DistContext) -> dict[str, Any]:
-    """One line of metrics.jsonl (its readers: plots.py and the benchmarks)."""
-    return {
-        "epoch": epoch,
-        "train_loss": train["train_loss"],
-        "train_acc": train["train_acc"],
-        "train_total": len(split.train),
-        **val,
-        "lr": training.schedule(epoch * training.steps_per_epoch),  # where the epoch left the schedule
-        "epoch_seconds": train_seconds,
-        "eval_seconds": eval_seconds,
-        "train_images_per_sec": train["train_images"] / train_seconds,
-        "world_size": ctx.world_size,
-        "global_batch_size": training.global_batch,
-    }
-
-
-def epoch_line(record: dict[str, Any], epochs: int, is_best: bool) -> str:
-    return (
-        f"epoch {record['epoch']}/{epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "
-        f"val loss {record['val_loss']:.4f} acc {record['val_acc']:.4f} ({record['val_correct']}/{record['val_total']})"
-        f" | {record['train_images_per_sec']:.1f} img/s, {record['epoch_seconds']:.1f}s" + (" *best*" if is_best else "")
-    )

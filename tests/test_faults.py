@@ -186,10 +186,10 @@ def test_ctrl_c_stops_every_process(tmp_path, launcher, nproc):
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
     seconds, err = wait_until_gone(proc, marker)
     assert seconds < STOP_WITHIN, (seconds, err[-2000:])
-    # Each training process reports and exits 130 (the shell's code for SIGINT); the spawn
-    # launcher may report too. Ours pass the 130 on; torchrun replaces it with its own 1,
-    # after its SignalException traceback.
-    assert err.splitlines().count("interrupted") >= nproc, err[-3000:]
+    # Each training process reports and exits 130 (the shell's code for SIGINT), unless the spawn
+    # launcher, which reports once for the job, ends it first. Ours pass the 130 on; torchrun
+    # replaces it with its own 1, after its SignalException traceback.
+    assert err.splitlines().count("interrupted") >= (1 if launcher == "spawn" else nproc), err[-3000:]
     assert proc.returncode == (1 if launcher == "launch" else 130), (proc.returncode, err[-2000:])
 
 

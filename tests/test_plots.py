@@ -14,6 +14,7 @@ import plots
 from utils import list_images, split_samples
 
 RUN_PLOTS = ("curves.png", "class_distribution.png", "augmented_samples.png")
+REPORT_PLOTS = ("confusion_matrix.png", "mistakes.png")
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +30,12 @@ def runs(tmp_path_factory):
 def test_cli_redraws_the_plots_of_a_run(runs):
     run_dir, _ = runs
     result = ok(run_cli([sys.executable, "plots.py", str(run_dir)]))
-    assert result.stdout.splitlines() == [f"wrote {run_dir / name}" for name in RUN_PLOTS]
+    assert result.stdout.splitlines() == [f"wrote {run_dir / name}" for name in RUN_PLOTS + REPORT_PLOTS]
     check_png(run_dir / "curves.png", min_width=1000)
     check_png(run_dir / "class_distribution.png")
     check_png(run_dir / "augmented_samples.png", min_width=600, min_height=600)  # a 4 x 4 grid
+    check_png(run_dir / "confusion_matrix.png", min_width=800)
+    check_png(run_dir / "mistakes.png")
 
 
 @pytest.mark.slow
@@ -40,13 +43,13 @@ def test_overlay_of_two_runs(runs, tmp_path, capsys):
     call_main(plots.main, [str(runs[0]), str(runs[1]), "--out", str(tmp_path / "out")])
     assert f"wrote {tmp_path / 'out' / 'compare.png'}" in capsys.readouterr().out
     check_png(tmp_path / "out" / "compare.png", min_width=800)
-    assert all((run_dir / name).is_file() for run_dir in runs for name in RUN_PLOTS)
+    assert all((run_dir / name).is_file() for run_dir in runs for name in RUN_PLOTS + REPORT_PLOTS)
 
 
 @pytest.mark.slow
 def test_one_run_into_another_folder(runs, tmp_path):
     call_main(plots.main, [str(runs[1]), "--out", str(tmp_path / "elsewhere")])
-    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == sorted(RUN_PLOTS)
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == sorted(RUN_PLOTS + REPORT_PLOTS)
 
 
 @pytest.mark.slow

@@ -156,3 +156,7 @@ def test_eval_only_with_weights(tmp_path, capsys):
     assert result["val_total"] == 25 and result["weights"] == weights and 0 <= result["val_correct"] <= 25
     assert f"eval {weights}: acc" in capsys.readouterr().out
     assert not (out / "last.pth").exists() and not (out / "metrics.jsonl").exists()
+    report = json.loads((out / "report.json").read_text())
+    assert report["weights"] == weights and report["images"] == 25
+    assert sum(map(sum, report["confusion_matrix"])) == 25 and report["accuracy"] == result["val_acc"]
+    assert (out / "confusion_matrix.csv").is_file() and (out / "confusion_matrix.png").is_file()

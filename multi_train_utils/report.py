@@ -1,0 +1,92 @@
+"""The evaluation report: per-class precision, recall and F1, top-k accuracy, the confusion
+matrix and the most confidently wrong images, exact at any world size.
+
+Each rank counts its shard of the validation split; the counts are all-reduced once, and the
+few mistakes each rank keeps are gathered once. report.json holds everything, so plots.py can
+redraw the pictures from a finished run; confusion_matrix.csv is the matrix for spreadsheets.
+"""
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, gather_objects
+from utils import REPORT_FILE, DataSplit, write_json
+
+MAX_MISTAKES = 16
+
+
+def top_ks(num_classes: int) -> list[int]:
+    """Top-1, and top-3 and top-5 where there are more classes than that (top-5 of five is 100%)."""
+    return [k for k in (1, 3, 5) if k == 1 or k < num_classes]
+
+
+def evaluation_report(predictions: Iterable[tuple[torch.Tensor, torch.Tensor, list[int]]], ctx: DistContext,
+                      split: DataSplit, source: str) -> dict[str, Any]:
+    """The report over this rank's (logits, labels, validation indices) batches, reduced over ranks."""
+    names = split.class_names
+    n = len(names)
+    ks = top_ks(n)
+    counts = torch.zeros(n * n + len(ks), dtype=torch.int64, device=ctx.device)  # confusion, then top-k hits
+    mistakes: list[tuple[float, int, int, int]] = []  # (probability, index, true, predicted)
+    for logits, labels, indices in predictions:
+        probs = logits.float().softmax(1)
+        predicted = probs.argmax(1)
+        counts[: n * n].index_add_(0, labels * n + predicted, torch.ones_like(labels))
+        ranked = probs.topk(max(ks), dim=1).indices
+        for i, k in enumerate(ks):
+            counts[n * n + i] += (ranked[:, :k] == labels[:, None]).any(1).sum()
+        wrong = (predicted != labels).nonzero().flatten().tolist()
+        chosen = probs.max(1).values.tolist()
+        mistakes += [(chosen[i], indices[i], int(labels[i]), int(predicted[i])) for i in wrong]
+    counts = all_reduce_sum(counts, ctx).tolist()
+    confusion = [counts[row * n : (row + 1) * n] for row in range(n)]
+    mine = sorted(mistakes, key=lambda m: (-m[0], m[1]))[:MAX_MISTAKES]
+    worst = sorted((m for part in gather_objects(mine, ctx) for m in part), key=lambda m: (-m[0], m[1]))[:MAX_MISTAKES]
+    total = sum(map(sum, confusion))
+    return {
+        "weights": source,
+        "images": total,
+        "accuracy": sum(confusion[i][i] for i in range(n)) / total,
+        **class_metrics(confusion, names),
+        "top_k_accuracy": {str(k): hits / total for k, hits in zip(ks, counts[n * n :])},
+        "class_names": names,
+        "confusion_matrix": confusion,  # rows: true class, columns: predicted class
+        "mistakes": [{"path": split.val[index][0], "true": names[true], "predicted": names[pred], "probability": p}
+                     for p, index, true, pred in worst],
+        "world_size": ctx.world_size,
+    }
+
+
+def class_metrics(confusion: list[list[int]], names: list[str]) -> dict[str, Any]:
+    """Precision, recall, F1 and support per class, and the macro F1; 0 where a ratio has no
+    denominator (a class never predicted, or absent)."""
+    per_class = {}
+    for i, name in enumerate(names):
+        hits = confusion[i][i]
+        predicted = sum(row[i] for row in confusion)
+        support = sum(confusion[i])
+        precision = hits / predicted if predicted else 0.0
+        recall = hits / support if support else 0.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        per_class[name] = {"precision": precision, "recall": recall, "f1": f1, "support": support}
+    return {"macro_f1": sum(c["f1"] for c in per_class.values()) / len(names), "per_class": per_class}
+
+
+def write_report(output_dir: Path, report: dict[str, Any]) -> None:
+    write_json(output_dir / REPORT_FILE, report)
+    with open(output_dir / "confusion_matrix.csv", "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["true \\ predicted", *report["class_names"]])
+        for name, row in zip(report["class_names"], report["confusion_matrix"]):
+            out.writerow([name, *row])
+
+
+def report_line(report: dict[str, Any]) -> str:
+    top = ", ".join(f"top-{k} {v:.4f}" for k, v in report["top_k_accuracy"].items())
+    return (f"report on {report['weights']}: {report['images']} images, accuracy {report['accuracy']:.4f}, "
+            f"macro F1 {report['macro_f1']:.4f}, {top}")

@@ -1,0 +1,153 @@
+"""Preemption: SIGTERM (what SLURM sends ahead of a time limit or a preemption, and Kubernetes
+on eviction) stops every rank at the same step; rank 0 saves the position inside the epoch; the
+job exits 75; `--resume auto` goes on from that step and ends as if nothing had happened."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+
+import pytest
+import torch
+from conftest import FAST, SAMPLE, kill_group, launcher_cmd, metrics, ok, start, train, wait_for_epochs
+
+from model import create_model
+from multi_train_utils import train_eval_utils
+from multi_train_utils.checkpoint import Progress, load_checkpoint
+from multi_train_utils.config import get_args_parser
+from multi_train_utils.distributed_utils import DistContext, TerminationRequest, find_free_port
+from multi_train_utils.train_eval_utils import StoppedInEpoch, build_training, place_model, train_one_epoch
+from my_dataset import EpochSampler, MyDataSet, build_transform
+from utils import Preempted, list_images
+
+EXIT_PREEMPTED = Preempted.exit_code
+# Batch 2: an epoch of the sample is 47 steps in one process and 23 in each of two, so that
+# the loop's checks (every 20 steps) fall inside epochs, where a stop is hardest to resume.
+SMALL_STEPS = ["--epochs", "2", "--batch-size", "2"]
+
+
+def test_sigterm_becomes_a_flag_and_the_old_handler_returns():
+    before = signal.getsignal(signal.SIGTERM)
+    with TerminationRequest() as termination:
+        assert not termination()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert termination()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_an_epoch_can_start_after_the_samples_already_trained_on():
+    class Indices(torch.utils.data.Sampler):
+        def set_epoch(self, epoch):
+            pass
+
+        def __iter__(self):
+            return iter(range(10))
+
+        def __len__(self):
+            return 10
+
+    sampler = EpochSampler(Indices())
+    sampler.set_epoch(3, skip=4)
+    assert list(sampler) == [(3, i) for i in range(4, 10)] and len(sampler) == 6
+    assert Progress(2, 0.5, 7, (1.0, 2.0, 3.0)).record(3, 0.4) is False
+    progress = Progress(2, 0.5, 7, (1.0, 2.0, 3.0))
+    progress.record(3, 0.6)
+    assert (progress.epoch, progress.steps_in_epoch, progress.epoch_sums, progress.best_acc) == (3, 0, (0, 0, 0), 0.6)
+
+
+def test_stopping_inside_an_epoch_and_going_on_equals_the_whole_epoch(monkeypatch):
+    """In one process: train an epoch whole, and again stopped at a check and resumed from the
+    position the stop reports. Same parameters, same epoch loss."""
+    monkeypatch.setattr(train_eval_utils, "CHECK_EVERY", 2)
+    args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), "--epochs", "1", "--amp", "off"])
+    _, samples = list_images(str(SAMPLE))
+    dataset = MyDataSet(samples[::12], build_transform(32, train=True), 32, seed=0)
+    batches = [[dataset[(1, i)] for i in range(j, j + 2)] for j in range(0, 10, 2)]
+    batches = [(torch.stack([x for x, _ in b]), torch.tensor([y for _, y in b])) for b in batches]
+
+    def fresh(stop_after_checks: int | None):
+        torch.manual_seed(0)
+        training = build_training(place_model(create_model(5), args, torch.device("cpu")), args, DistContext.single(),
+                                  steps_per_epoch=len(batches))
+        checks = iter(range(10**6))
+        stop = (lambda: next(checks) >= stop_after_checks) if stop_after_checks is not None else (lambda: False)
+        return dataclasses.replace(training, stop_requested=stop)
+
+    whole = fresh(None)
+    expected = train_one_epoch(whole, batches, DistContext.single(), 1, 1)
+    stopped = fresh(1)  # the second check, after step 4
+    with pytest.raises(StoppedInEpoch) as info:
+        train_one_epoch(stopped, batches, DistContext.single(), 1, 1)
+    assert info.value.steps_done == 4 and info.value.sums[2] == 8
+    going_on = dataclasses.replace(stopped, stop_requested=lambda: False)
+    result = train_one_epoch(going_on, batches[4:], DistContext.single(), 1, 1, 4, info.value.sums)
+    assert result["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-12)
+    assert result["train_acc"] == expected["train_acc"] and result["train_images"] == 2
+    for a, b in zip(whole.placed.module.state_dict().values(), stopped.placed.module.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The runs a stopped-and-resumed run must reproduce: one process, and two."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    ok(train("single", root / "1", *SMALL_STEPS, timeout=300))
+    ok(train("spawn", root / "2", *SMALL_STEPS, nproc=2, timeout=300))
+    return {1: metrics(root / "1"), 2: metrics(root / "2")}
+
+
+def slurm_job(out, *extra: str, port: int) -> list:
+    """The two tasks `srun --ntasks=2` would start, with the sbatch script's MASTER_ADDR/PORT."""
+    procs = []
+    for rank in (0, 1):
+        env = {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2", "SLURM_NNODES": "1",
+               "SLURM_JOB_ID": "4242", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        cmd = [sys.executable, "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE), "--output-dir", str(out),
+               *FAST, *SMALL_STEPS, *extra]
+        procs.append(start(cmd, env=env))
+    return procs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["single", "launch", "spawn", "slurm"])
+def test_sigterm_stops_at_a_step_and_resume_ends_as_if_uninterrupted(launcher, uninterrupted, tmp_path):
+    world_size = 1 if launcher == "single" else 2
+    if launcher == "slurm":
+        procs = slurm_job(tmp_path, port=find_free_port())
+    else:
+        cmd = launcher_cmd(launcher, world_size) + ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path), *FAST,
+                                                     *SMALL_STEPS]
+        procs = [start(cmd)]
+    try:
+        wait_for_epochs(procs[0], tmp_path, 1, timeout=300)
+        for proc in procs:
+            if launcher == "launch":
+                os.killpg(proc.pid, signal.SIGTERM)  # as SLURM signals every process of a job step
+            else:
+                proc.send_signal(signal.SIGTERM)  # the launcher alone: it must pass the signal on
+        results = [(proc.wait(timeout=120), proc.stderr.read()) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    errors = "\n".join(err[-2000:] for _, err in results)
+    stopped_lines = sum(err.count("stopped: SIGTERM: every process stopped after step") for _, err in results)
+    assert stopped_lines == world_size, errors
+    # Our launchers end with 75; torchrun, signalled itself, reports its own 1.
+    assert [code for code, _ in results] == ([1] if launcher == "launch" else [EXIT_PREEMPTED] * len(procs)), errors
+    checkpoint = load_checkpoint(tmp_path / "last.pth")
+    assert checkpoint["steps_in_epoch"] > 0 and checkpoint["epoch"] == len(metrics(tmp_path)), checkpoint["epoch"]
+
+    if launcher == "slurm":
+        procs = slurm_job(tmp_path, "--resume", "auto", port=find_free_port())
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+    else:
+        out = ok(train(launcher, tmp_path, *SMALL_STEPS, "--resume", "auto", nproc=world_size, timeout=300)).stdout
+        assert f"goes on after step {checkpoint['steps_in_epoch']}" in out
+    resumed, expected = metrics(tmp_path), uninterrupted[world_size]
+    assert [r["epoch"] for r in resumed] == [1, 2]
+    for a, b in zip(expected, resumed):
+        for key in ("train_loss", "train_acc", "val_loss", "val_acc", "lr"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (b["epoch"], key)
