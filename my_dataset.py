@@ -71,6 +71,25 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
     return images.float().mul_(scale).add_(shift)
 
 
+class ImageFiles(Dataset):
+    """(image, error) per path; a file that does not decode gives a blank image and the
+    reason, so one bad file is reported instead of stopping the whole loader."""
+
+    def __init__(self, paths: list[str], img_size: int):
+        self.paths = paths
+        self.img_size = img_size
+        self.transform = build_transform(img_size, train=False)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, str]:
+        try:
+            return self.transform(decode(self.paths[index], eval_resize(self.img_size))), ""
+        except Exception as e:  # noqa: BLE001 -- PIL raises OSError, SyntaxError, DecompressionBombError...
+            return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), f"{type(e).__name__}: {e}"
+
+
 def default_workers(device: torch.device, processes_per_machine: int = 1) -> int:
     """Loader workers per training process: its share of the cores, less one for the loop itself."""
     spare = cpu_count() // processes_per_machine - 1

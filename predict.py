@@ -1,29 +1,32 @@
-"""Classify images with a trained checkpoint: the top-k classes and their probabilities.
+"""Classify images with a trained checkpoint or an exported ONNX model: the top-k classes and
+their probabilities.
 
     python predict.py --checkpoint runs/single-20240101-120000/best.pth photo.jpg more_photos/
     python predict.py --checkpoint best.pth data/flower_photos_sample --top-k 1 --json > predictions.jsonl
+    python predict.py --checkpoint runs/single-20240101-120000/model.onnx photo.jpg   # after export.py
 
-Folders are searched recursively. The class names and the image size come from the checkpoint;
-images get the validation transform. Exit code 1 when some file could not be read (each is
+Folders are searched recursively. The class names and the image size come from the checkpoint
+(or the JSON that export.py writes beside the model); images get the validation transform. Exit code 1 when some file could not be read (each is
 named on stderr, the others are still predicted), 2 for a bad checkpoint or no image at all.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from model import create_model
-from multi_train_utils.checkpoint import load_checkpoint
+from model import EXPORT_FORMATS, load_exported, read_preprocessing
+from multi_train_utils.checkpoint import load_checkpoint, model_from_checkpoint
 from multi_train_utils.distributed_utils import resolve_device
 from multi_train_utils.train_eval_utils import PlacedModel
-from my_dataset import build_transform, decode, default_workers, eval_resize
+from my_dataset import ImageFiles, default_workers, normalize
 from utils import IMG_EXTENSIONS, UserError, exit_on_error, image_files
 
 
@@ -43,41 +46,41 @@ def find_images(inputs: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
     return list(dict.fromkeys(files)), missing  # a file named twice is predicted once
 
 
-class ImageFiles(Dataset):
-    """(image, error) per path; a file that does not decode gives a blank image and the
-    reason, so one bad file is reported instead of stopping the whole loader."""
+@dataclasses.dataclass(frozen=True)
+class Classifier:
+    """What predicting needs of a model: its classes, its input size, and the logits of a
+    uint8 batch (a checkpoint's model on `device`, or an exported ONNX model on the CPU)."""
 
-    def __init__(self, paths: list[str], img_size: int):
-        self.paths = paths
-        self.img_size = img_size
-        self.transform = build_transform(img_size, train=False)
+    class_names: list[str]
+    img_size: int
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    device: torch.device
 
-    def __len__(self) -> int:
-        return len(self.paths)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, str]:
-        try:
-            return self.transform(decode(self.paths[index], eval_resize(self.img_size))), ""
-        except Exception as e:  # noqa: BLE001 -- PIL raises OSError, SyntaxError, DecompressionBombError...
-            return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), f"{type(e).__name__}: {e}"
+def load_classifier(path: str, device: torch.device) -> Classifier:
+    if path.endswith(EXPORT_FORMATS["onnx"]):
+        info = read_preprocessing(Path(path))
+        run = load_exported(Path(path), "onnx")
+        return Classifier(info["class_names"], info["img_size"], lambda images: run(normalize(images)),
+                          torch.device("cpu"))
+    checkpoint = load_checkpoint(path, mmap=True)  # mapped: the optimizer state is never read
+    placed = PlacedModel(model_from_checkpoint(checkpoint).to(device), device)
+    return Classifier(checkpoint["class_names"], checkpoint["args"]["img_size"],
+                      lambda images: placed.module(placed.input(images)), device)
 
 
 def predict(
-    checkpoint: dict[str, Any], paths: list[str], top_k: int, batch_size: int, device: torch.device, workers: int
+    classifier: Classifier, paths: list[str], top_k: int, batch_size: int, workers: int
 ) -> Iterator[tuple[str, list[tuple[str, float]] | None, str]]:
     """(path, [(class, probability), ...] best first, "") per image, or (path, None, reason)."""
-    class_names = checkpoint["class_names"]
-    img_size = checkpoint["args"]["img_size"]
-    model = create_model(len(class_names))
-    model.load_state_dict(checkpoint["model"])
-    placed = PlacedModel(model.to(device).eval(), device)
-    loader = DataLoader(ImageFiles(paths, img_size), batch_size=batch_size, num_workers=workers,
-                        pin_memory=device.type == "cuda")
+    class_names = classifier.class_names
+    loader = DataLoader(ImageFiles(paths, classifier.img_size), batch_size=batch_size, num_workers=workers,
+                        pin_memory=classifier.device.type == "cuda")
     top_k = min(top_k, len(class_names))
     done = 0
     with torch.inference_mode():
         for images, errors in loader:
-            probs = placed.module(placed.input(images)).float().softmax(1)
+            probs = classifier.logits(images).float().softmax(1)
             values, indices = probs.topk(top_k, dim=1)
             for path, error, row_values, row_indices in zip(
                 paths[done : done + len(errors)], errors, values.tolist(), indices.tolist()
@@ -92,7 +95,8 @@ def predict(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER", help="image files and folders of images")
-    parser.add_argument("--checkpoint", required=True, metavar="PATH", help="best.pth or last.pth of a training run")
+    parser.add_argument("--checkpoint", required=True, metavar="PATH",
+                        help="best.pth or last.pth of a training run, or a model.onnx written by export.py")
     parser.add_argument("--top-k", type=int, default=3, metavar="K", help="classes shown per image (default: 3)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     parser.add_argument("--batch-size", type=int, default=32, metavar="N", help="images per forward pass (default: 32)")
@@ -104,7 +108,7 @@ def main() -> None:
         if args.top_k < 1 or args.batch_size < 1 or (args.workers or 0) < 0:
             raise UserError("--top-k and --batch-size must be at least 1, --workers at least 0")
         device = resolve_device(args.device, 0)
-        checkpoint = load_checkpoint(args.checkpoint, mmap=True)  # mapped: the optimizer state is never read
+        classifier = load_classifier(args.checkpoint, device)
         paths, failed = find_images(args.inputs)
         for path, reason in failed:
             print(f"warning: cannot read {path}: {reason}", file=sys.stderr, flush=True)
@@ -112,9 +116,9 @@ def main() -> None:
             raise UserError(f"no image found in {', '.join(args.inputs)} (looked for {' '.join(IMG_EXTENSIONS)} files)")
         workers = default_workers(device) if args.workers is None else args.workers
         path_width = max(len(p) for p in paths)
-        class_width = max(len(c) for c in checkpoint["class_names"])
+        class_width = max(len(c) for c in classifier.class_names)
         try:
-            for path, top, error in predict(checkpoint, paths, args.top_k, args.batch_size, device, workers):
+            for path, top, error in predict(classifier, paths, args.top_k, args.batch_size, workers):
                 if top is None:
                     failed.append((path, error))
                     print(f"warning: cannot read {path}: {error}", file=sys.stderr, flush=True)

@@ -35,23 +35,30 @@ SPLIT_FILE = "split.json"
 REPORT_FILE = "report.json"
 
 
-class UserError(Exception):
-    """A mistake in what the user asked for: one `error:` line on stderr, exit code 2."""
+class ProjectError(Exception):
+    """An outcome the project explains in one line on stderr (`prefix: message`, no
+    traceback) and an exit code."""
+
+    exit_code = 1
+    prefix = "error"
+
+
+class UserError(ProjectError):
+    """A mistake in what the user asked for: exit code 2."""
 
     exit_code = 2
 
 
-class TrainingDiverged(Exception):
-    """The loss became NaN or infinite: one `error:` line on stderr, exit code 1."""
-
-    exit_code = 1
+class TrainingDiverged(ProjectError):
+    """The loss became NaN or infinite: exit code 1."""
 
 
-class Preempted(Exception):
-    """SIGTERM stopped the run at a step boundary and its position is saved: one `stopped:`
-    line on stderr, exit code 75 (EX_TEMPFAIL, "try again later": requeue and resume)."""
+class Preempted(ProjectError):
+    """SIGTERM stopped the run at a step boundary and its position is saved: exit code 75
+    (EX_TEMPFAIL, "try again later": requeue and resume)."""
 
     exit_code = 75
+    prefix = "stopped"
 
 
 def stderr_line(text: str) -> None:
@@ -66,11 +73,8 @@ def exit_on_error() -> Iterator[None]:
     """Turn our own errors into one `error:` line and an exit code, without a traceback."""
     try:
         yield
-    except (UserError, TrainingDiverged) as e:
-        stderr_line(f"error: {e}")
-        sys.exit(e.exit_code)
-    except Preempted as e:
-        stderr_line(f"stopped: {e}")
+    except ProjectError as e:
+        stderr_line(f"{e.prefix}: {e}")
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         stderr_line("interrupted")

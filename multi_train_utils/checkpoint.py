@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torchvision.models import ResNet34_Weights
 
+from model import create_model
 from utils import UserError
 
 REQUIRED_KEYS = ("model", "optimizer", "scaler", "epoch", "best_acc", "args", "class_names")
@@ -61,6 +62,13 @@ def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
         "class_names": class_names,
         "world_size": world_size,  # informative: a checkpoint resumes at any world size
     }
+
+
+def model_from_checkpoint(checkpoint: dict[str, Any]) -> nn.Module:
+    """The trained model a checkpoint holds, on the CPU, in eval mode."""
+    model = create_model(len(checkpoint["class_names"]))
+    model.load_state_dict(checkpoint["model"])
+    return model.eval()
 
 
 def restore_weights(checkpoint: dict[str, Any], model: nn.Module, class_names: list[str], source: str) -> None:

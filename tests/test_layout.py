@@ -1,6 +1,6 @@
 """The house's shape: imports flow one way, from the entry scripts down to utils.py.
 
-    entry scripts       train_*.py, predict.py, benchmarks/ (plots.py's command line lives in plots.py)
+    entry scripts       train_*.py, predict.py, export.py, benchmarks/ (plots.py's command line lives in plots.py)
     multi_train_utils/  distributed state, config, checkpoint format, loaders, the run
     model.py  my_dataset.py  plots.py     know nothing of processes or launchers
     utils.py            files, images, errors
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-ENTRY_SCRIPTS = {"train_single_gpu", "train_multi_gpu_using_launch", "train_multi_gpu_using_spawn", "predict"}
+ENTRY_SCRIPTS = {"train_single_gpu", "train_multi_gpu_using_launch", "train_multi_gpu_using_spawn", "predict", "export"}
 LAYERS = {"utils": 0, "model": 1, "my_dataset": 1, "plots": 1, "multi_train_utils": 2, "benchmarks": 3,
           **{name: 3 for name in ENTRY_SCRIPTS}}
 

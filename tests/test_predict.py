@@ -126,3 +126,50 @@ def test_user_mistakes(checkpoint, tmp_path, capsys):
     (tmp_path / "empty" / "notes.txt").write_text("no images here")
     assert "no image found" in user_error(predict.main, ["--checkpoint", str(checkpoint), str(tmp_path / "empty")], capsys)
     assert "at least 1" in user_error(predict.main, ["--checkpoint", str(checkpoint), image, "--top-k", "0"], capsys)
+
+
+@pytest.mark.parametrize("fmt, suffix", [("onnx", ".onnx"), ("export", ".pt2"), ("torchscript", ".torchscript.pt")])
+def test_export_writes_a_model_and_its_description(checkpoint, tmp_path, fmt, suffix):
+    output = tmp_path / f"flowers{suffix}"
+    result = ok(run_cli([sys.executable, "export.py", "--checkpoint", str(checkpoint), "--format", fmt,
+                         "--output", str(output)]))
+    assert f"wrote {output} and {output}.json" in result.stdout
+    description = json.loads(Path(f"{output}.json").read_text())
+    assert description["format"] == fmt and description["class_names"] == CLASSES and description["img_size"] == 32
+    assert description["preprocessing"]["mean"] == [0.485, 0.456, 0.406] and description["input"]["shape"][0] == "batch"
+    assert description["check"]["images"] == 16 and description["check"]["largest_relative_difference"] <= 1e-3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([output.name, f"{output.name}.json"])
+
+
+def test_predict_gives_the_same_top_1_from_the_onnx_model(checkpoint, tmp_path, capsys):
+    output = tmp_path / "model.onnx"
+    ok(run_cli([sys.executable, "export.py", "--checkpoint", str(checkpoint), "--output", str(output)]))
+    from_checkpoint = predict_json(checkpoint, capsys, str(SAMPLE), "--top-k", "1")
+    from_onnx = predict_json(output, capsys, str(SAMPLE), "--top-k", "1")
+    assert len(from_onnx) == 120
+    assert [(r["path"], r["top"][0]["class"]) for r in from_onnx] == [(r["path"], r["top"][0]["class"])
+                                                                      for r in from_checkpoint]
+    for a, b in zip(from_checkpoint, from_onnx):
+        assert a["top"][0]["prob"] == pytest.approx(b["top"][0]["prob"], abs=1e-4)
+
+
+def test_an_export_that_disagrees_is_not_kept(checkpoint, tmp_path):
+    """ONNX Runtime's arithmetic differs from PyTorch's in the last bits, so a tolerance of 0
+    refuses it: the error names the difference, and no file is left behind."""
+    output = tmp_path / "model.onnx"
+    result = run_cli([sys.executable, "export.py", "--checkpoint", str(checkpoint), "--output", str(output),
+                      "--tolerance", "0"])
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "error: the exported model's logits differ from PyTorch's by up to" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_onnx_without_its_packages_or_description_is_a_clear_error(checkpoint, tmp_path, capsys):
+    script = ("import sys; sys.modules['onnxscript'] = sys.modules['onnxruntime'] = None\n"
+              "sys.argv = ['export.py', '--checkpoint', sys.argv[1], '--output', sys.argv[2]]\n"
+              "import export; export.main()\n")
+    result = run_cli([sys.executable, "-c", script, str(checkpoint), str(tmp_path / "model.onnx")])
+    assert result.returncode == 2 and "requirements-export.txt" in result.stderr, result.stderr[-2000:]
+    (tmp_path / "lonely.onnx").write_bytes(b"")
+    line = user_error(predict.main, ["--checkpoint", str(tmp_path / "lonely.onnx"), A_JPEG["daisy"]], capsys)
+    assert "needs its description" in line and "lonely.onnx.json" in line
