@@ -216,6 +216,7 @@ def epoch_record(epoch: int, train: dict[str, float], val: dict[str, float], tra
         "epoch_seconds": train_seconds,
         "eval_seconds": eval_seconds,
         "train_images_per_sec": train["train_images"] / train_seconds,
+        "data_wait_seconds": train["data_wait_seconds"],  # mean over processes; part of epoch_seconds
         "world_size": ctx.world_size,
         "global_batch_size": training.global_batch,
     }
@@ -225,5 +226,7 @@ def epoch_line(record: dict[str, Any], epochs: int, is_best: bool) -> str:
     return (
         f"epoch {record['epoch']}/{epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "
         f"val loss {record['val_loss']:.4f} acc {record['val_acc']:.4f} ({record['val_correct']}/{record['val_total']})"
-        f" | {record['train_images_per_sec']:.1f} img/s, {record['epoch_seconds']:.1f}s" + (" *best*" if is_best else "")
+        f" | {record['train_images_per_sec']:.1f} img/s, {record['epoch_seconds']:.1f}s "
+        f"({100 * record['data_wait_seconds'] / record['epoch_seconds']:.0f}% waiting for data)"
+        + (" *best*" if is_best else "")
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -176,6 +177,9 @@ def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoc
     # loss sum, correct, images; what earlier steps summed to is counted once, on rank 0
     sums = torch.tensor(sums_so_far if ctx.is_main else (0.0, 0.0, 0.0), dtype=torch.float64, device=device)
     images_seen = 0
+    # Seconds the loop stood waiting for the loader's next batch: on a GPU, time it may have
+    # starved (the host otherwise runs ahead of the device). Measured on the host: no sync.
+    data_wait, asked = 0.0, time.perf_counter()
     first_bad = torch.full((), NO_BAD_STEP, dtype=torch.int64, device=device)
     # Bars on rank 0 only, and only on a terminal (disable=None): logs stay free of them.
     bar = tqdm(loader, desc=f"epoch {epoch}/{epochs}", disable=None if ctx.is_main else True, leave=False,
@@ -183,6 +187,7 @@ def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoc
     steps = steps_done + len(loader)
     steps_before = (epoch - 1) * training.steps_per_epoch
     for step, (images, labels) in enumerate(bar, start=steps_done):
+        data_wait += time.perf_counter() - asked
         images = placed.input(images)
         labels = labels.to(device, non_blocking=True)
         set_lr(optimizer, training.schedule(steps_before + step))
@@ -217,11 +222,13 @@ def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoc
                 bar.set_postfix(loss=f"{loss_sum / (before + images_seen):.4f}",
                                 acc=f"{correct / (before + images_seen):.3f}",
                                 lr=f"{optimizer.param_groups[0]['lr']:.2e}", refresh=False)
+        asked = time.perf_counter()
     bar.close()
     sums[2] += images_seen  # once per epoch
-    loss_sum, correct, count = all_reduce_sum(sums, ctx).tolist()
+    loss_sum, correct, count, waits = all_reduce_sum(torch.cat([sums, sums.new_tensor([data_wait])]), ctx).tolist()
     # train_images: what this call trained on (a resumed epoch's rest), for the images/s figure
-    return {"train_loss": loss_sum / count, "train_acc": correct / count, "train_images": int(count - sums_so_far[2])}
+    return {"train_loss": loss_sum / count, "train_acc": correct / count, "train_images": int(count - sums_so_far[2]),
+            "data_wait_seconds": waits / ctx.world_size}
 
 
 def predictions(placed: PlacedModel, loader: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[int]]]:

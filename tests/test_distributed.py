@@ -36,7 +36,7 @@ from my_dataset import MyDataSet, build_transform, normalize
 from utils import list_images, load_split
 
 METRIC_KEYS = {"epoch", "train_loss", "train_total", "val_loss", "val_acc", "val_correct", "val_total", "lr",
-               "epoch_seconds", "train_images_per_sec", "world_size", "global_batch_size"}
+               "epoch_seconds", "train_images_per_sec", "world_size", "global_batch_size", "data_wait_seconds"}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,7 @@ def test_end_to_end(runs, launcher, world_size):
         assert r["world_size"] == world_size and r["global_batch_size"] == 8 * world_size
         assert r["train_total"] == 95 and r["val_total"] == 25  # each image once, whatever the world size
         assert 0 <= r["val_acc"] <= 1 and r["val_correct"] == round(r["val_acc"] * 25)
+        assert 0 < r["data_wait_seconds"] < r["epoch_seconds"]
     ckpt = load_checkpoint(out / "last.pth")
     assert set(REQUIRED_KEYS) <= ckpt.keys() and ckpt["epoch"] == 2
     assert not any(k.startswith("module.") for k in ckpt["model"])  # saved without the DDP wrapper

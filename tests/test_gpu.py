@@ -1,0 +1,129 @@
+"""The CUDA path, on a machine with one GPU: every launcher, bf16 autocast, channels_last, pinned
+uint8 batches, nn.SyncBatchNorm, torch.compile, evaluation against the CPU's, checkpoints that
+move between GPU and CPU, and predict.py. Skipped where CUDA is absent (CI has no GPU).
+
+Two DDP ranks on one GPU are not run: NCCL refuses two ranks on one device, and the launchers
+give each process the GPU of its local rank. The multi-rank logic (samplers, reductions,
+SyncBN's arithmetic, faults) is covered on the CPU with gloo by the rest of the suite.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import SAMPLE, call_main, metrics, ok, run_cli, train
+
+import predict
+from model import create_model
+from multi_train_utils.config import get_args_parser, prepare
+from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.loaders import build_loaders, readable_split
+from multi_train_utils.train_eval_utils import build_training, place_model, train_one_epoch
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.slow]
+
+ON_GPU = ["--device", "cuda", "--img-size", "64", "--batch-size", "16", "--workers", "2"]
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture(scope="module")
+def gpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu") / "run"
+    result = ok(train("single", out, "--epochs", "2", *ON_GPU))
+    return out, result.stdout
+
+
+def test_single_process_trains_with_bf16_and_channels_last(gpu_run):
+    out, stdout = gpu_run
+    expected = "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
+    assert f"precision: {expected} autocast, memory format: channels_last" in stdout
+    assert [r["epoch"] for r in metrics(out)] == [1, 2]
+    assert (out / "report.json").is_file()
+
+
+@pytest.mark.parametrize("launcher", ["launch", "spawn"])
+def test_the_ddp_launchers_train_on_one_gpu(launcher, tmp_path):
+    result = ok(train(launcher, tmp_path, "--epochs", "1", *ON_GPU, nproc=1))
+    assert "backend=nccl" in result.stdout
+    assert metrics(tmp_path)[0]["world_size"] == 1
+
+
+def test_batches_travel_pinned_as_uint8_and_become_float_on_the_gpu():
+    args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *ON_GPU])
+    plan = prepare(args, "test", verbose=False)
+    ctx = DistContext.single(CUDA)
+    train_loader, _ = build_loaders(readable_split(plan, ctx), plan, ctx)
+    train_loader.sampler.set_epoch(1)
+    images, labels = next(iter(train_loader))
+    assert images.dtype == torch.uint8 and images.is_pinned()
+    placed = place_model(create_model(5), args, CUDA)
+    batch = placed.input(images)
+    assert batch.device.type == "cuda" and batch.dtype == torch.float32
+    assert batch.is_contiguous(memory_format=torch.channels_last)
+    assert torch.backends.cudnn.benchmark
+
+
+def test_sync_bn_becomes_torch_syncbatchnorm_and_trains():
+    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore(), device_id=CUDA)
+    try:
+        args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *ON_GPU, "--sync-bn", "--epochs", "1"])
+        ctx = DistContext(0, 0, 1, 1, CUDA, distributed=True)
+        training = build_training(place_model(create_model(5), args, CUDA), args, ctx, steps_per_epoch=2)
+        assert any(isinstance(m, torch.nn.SyncBatchNorm) for m in training.placed.module.modules())
+        batch = (torch.randint(0, 256, (16, 3, 64, 64), dtype=torch.uint8), torch.randint(0, 5, (16,)))
+        result = train_one_epoch(training, [batch, batch], ctx, 1, 1)
+        assert torch.isfinite(torch.tensor(result["train_loss"]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compile_on_cuda(tmp_path):
+    ok(train("single", tmp_path, "--epochs", "1", *ON_GPU, "--compile", timeout=900))
+    assert len(metrics(tmp_path)) == 1
+
+
+def test_evaluation_on_the_gpu_agrees_with_the_cpu(gpu_run, tmp_path):
+    """The same checkpoint, evaluated in fp32 on the GPU and on the CPU. cuDNN's TF32 and other
+    kernels round differently, which may flip a borderline image: at most one of 25."""
+    out, _ = gpu_run
+    counts = {}
+    for device in ("cuda", "cpu"):
+        ok(train("single", tmp_path / device, "--eval-only", "--resume", str(out / "best.pth"), "--device", device,
+                 "--img-size", "64"))
+        counts[device] = json.loads((tmp_path / device / "eval.json").read_text())["val_correct"]
+    assert abs(counts["cuda"] - counts["cpu"]) <= 1, counts
+
+
+def test_a_checkpoint_moves_from_gpu_to_cpu_and_back(gpu_run, tmp_path):
+    out, _ = gpu_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    ok(train("single", run, "--epochs", "3", "--resume", "auto", "--device", "cpu", "--img-size", "64",
+             "--batch-size", "16"))
+    ok(train("single", run, "--epochs", "4", "--resume", "auto", *ON_GPU))
+    assert [r["epoch"] for r in metrics(run)] == [1, 2, 3, 4]
+
+
+def test_predict_on_the_gpu(gpu_run, capsys):
+    out, _ = gpu_run
+    tops = {}
+    for device in ("cuda", "cpu"):
+        with pytest.raises(SystemExit) as exit_info:
+            call_main(predict.main, ["--checkpoint", str(out / "best.pth"), str(SAMPLE), "--json", "--top-k", "1",
+                                     "--device", device, "--workers", "0"])
+        assert exit_info.value.code == 0
+        tops[device] = [json.loads(line)["top"][0]["class"] for line in capsys.readouterr().out.splitlines()]
+    assert len(tops["cuda"]) == 120
+    assert sum(a != b for a, b in zip(tops["cuda"], tops["cpu"])) <= 2, "GPU and CPU disagree beyond rounding"
+
+
+def test_the_throughput_benchmark_runs_on_the_gpu(tmp_path):
+    out = tmp_path / "gpu-throughput.json"
+    ok(run_cli([sys.executable, "-m", "benchmarks", "throughput", "--data-path", str(SAMPLE), "--img-size", "64",
+                "--world-sizes", "1", "--steps", "3", "--warmup", "2", "--repeats", "1", "--out", str(out)],
+               timeout=900))
+    assert json.loads(out.read_text())["machine"]["gpu"]
