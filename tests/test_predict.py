@@ -128,12 +128,23 @@ def test_user_mistakes(checkpoint, tmp_path, capsys):
     assert "at least 1" in user_error(predict.main, ["--checkpoint", str(checkpoint), image, "--top-k", "0"], capsys)
 
 
+@pytest.fixture(scope="module")
+def onnx_model(checkpoint, tmp_path_factory):
+    output = tmp_path_factory.mktemp("onnx") / "flowers.onnx"
+    result = ok(run_cli([sys.executable, "export.py", "--checkpoint", str(checkpoint), "--output", str(output)]))
+    return output, result.stdout
+
+
 @pytest.mark.parametrize("fmt, suffix", [("onnx", ".onnx"), ("export", ".pt2"), ("torchscript", ".torchscript.pt")])
-def test_export_writes_a_model_and_its_description(checkpoint, tmp_path, fmt, suffix):
-    output = tmp_path / f"flowers{suffix}"
-    result = ok(run_cli([sys.executable, "export.py", "--checkpoint", str(checkpoint), "--format", fmt,
-                         "--output", str(output)]))
-    assert f"wrote {output} and {output}.json" in result.stdout
+def test_export_writes_a_model_and_its_description(checkpoint, onnx_model, tmp_path, fmt, suffix):
+    if fmt == "onnx":
+        output, stdout = onnx_model
+        tmp_path = output.parent
+    else:
+        output = tmp_path / f"flowers{suffix}"
+        stdout = ok(run_cli([sys.executable, "export.py", "--checkpoint", str(checkpoint), "--format", fmt,
+                             "--output", str(output)])).stdout
+    assert f"wrote {output} and {output}.json" in stdout
     description = json.loads(Path(f"{output}.json").read_text())
     assert description["format"] == fmt and description["class_names"] == CLASSES and description["img_size"] == 32
     assert description["preprocessing"]["mean"] == [0.485, 0.456, 0.406] and description["input"]["shape"][0] == "batch"
@@ -141,9 +152,8 @@ def test_export_writes_a_model_and_its_description(checkpoint, tmp_path, fmt, su
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([output.name, f"{output.name}.json"])
 
 
-def test_predict_gives_the_same_top_1_from_the_onnx_model(checkpoint, tmp_path, capsys):
-    output = tmp_path / "model.onnx"
-    ok(run_cli([sys.executable, "export.py", "--checkpoint", str(checkpoint), "--output", str(output)]))
+def test_predict_gives_the_same_top_1_from_the_onnx_model(checkpoint, onnx_model, capsys):
+    output, _ = onnx_model
     from_checkpoint = predict_json(checkpoint, capsys, str(SAMPLE), "--top-k", "1")
     from_onnx = predict_json(output, capsys, str(SAMPLE), "--top-k", "1")
     assert len(from_onnx) == 120

@@ -90,11 +90,10 @@ def test_stopping_inside_an_epoch_and_going_on_equals_the_whole_epoch(monkeypatc
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The runs a stopped-and-resumed run must reproduce: one process, and two."""
+    """The run a stopped-and-resumed two-process run must reproduce."""
     root = tmp_path_factory.mktemp("uninterrupted")
-    ok(train("single", root / "1", *SMALL_STEPS, timeout=300))
-    ok(train("spawn", root / "2", *SMALL_STEPS, nproc=2, timeout=300))
-    return {1: metrics(root / "1"), 2: metrics(root / "2")}
+    ok(train("spawn", root, *SMALL_STEPS, nproc=2, timeout=300))
+    return metrics(root)
 
 
 def slurm_job(out, *extra: str, port: int) -> list:
@@ -146,8 +145,10 @@ def test_sigterm_stops_at_a_step_and_resume_ends_as_if_uninterrupted(launcher, u
     else:
         out = ok(train(launcher, tmp_path, *SMALL_STEPS, "--resume", "auto", nproc=world_size, timeout=300)).stdout
         assert f"goes on after step {checkpoint['steps_in_epoch']}" in out
-    resumed, expected = metrics(tmp_path), uninterrupted[world_size]
+    resumed = metrics(tmp_path)
     assert [r["epoch"] for r in resumed] == [1, 2]
-    for a, b in zip(expected, resumed):
+    if world_size == 1:
+        return  # exactness in one process: test_stopping_inside_an_epoch_and_going_on_equals_the_whole_epoch
+    for a, b in zip(uninterrupted, resumed):
         for key in ("train_loss", "train_acc", "val_loss", "val_acc", "lr"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (b["epoch"], key)
