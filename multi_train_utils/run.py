@@ -66,7 +66,8 @@ def run(plan: Plan, ctx: DistContext) -> None:
     if ctx.is_main:
         write_run_files(output_dir, plan, split, progress.epoch, ctx)
     train_epochs(training, train_loader, val_loader, plan, split, progress, output_dir, ctx)
-    final_report(placed, val_loader, split, use_best_weights(output_dir, placed.module, ctx), output_dir, ctx)
+    best = use_best_weights(output_dir, training.placed.module, ctx)
+    final_report(training.placed, val_loader, split, best, output_dir, ctx)
     if ctx.is_main:
         save_run_plots(output_dir, split, args.img_size, args.seed)
     ctx.print0(f"done: best val_acc {progress.best_acc:.4f}; checkpoints and logs in {output_dir}")
