@@ -22,7 +22,6 @@ from model import create_model, freeze_backbone
 from multi_train_utils.checkpoint import (
     Progress,
     load_checkpoint,
-    save_atomic,
     load_weights,
     make_checkpoint,
     restore_progress,
@@ -32,7 +31,15 @@ from multi_train_utils.config import Plan, split_summary
 from multi_train_utils.distributed_utils import DistContext, TerminationRequest, barrier, broadcast_buffers
 from multi_train_utils.loaders import build_loaders, readable_split
 from multi_train_utils.report import evaluation_report, report_line, write_report
-from multi_train_utils.run_folder import prepare_output_dir, resolve_resume, save_epoch, write_run_files
+from multi_train_utils.run_folder import (
+    BEST,
+    LAST,
+    prepare_output_dir,
+    resolve_resume,
+    save_epoch,
+    save_position,
+    write_run_files,
+)
 from multi_train_utils.train_eval_utils import (
     PlacedModel,
     StoppedInEpoch,
@@ -138,7 +145,7 @@ def evaluate_only(placed: PlacedModel, val_loader: DataLoader, split: DataSplit,
 def use_best_weights(output_dir: Path, model: nn.Module, ctx: DistContext) -> str:
     """Load best.pth's weights into `model` on every rank (the model a user ships); say which."""
     barrier(ctx)  # rank 0 may still be writing it
-    best = output_dir / "best.pth"
+    best = output_dir / BEST
     if not best.is_file():
         return "the final weights"
     checkpoint = load_checkpoint(best, mmap=True)
@@ -173,9 +180,7 @@ def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataL
                                   time.perf_counter() - started - train_seconds, ctx)
             is_best = progress.record(epoch, val["val_acc"])
             if ctx.is_main:
-                checkpoint = make_checkpoint(training.placed.module, training.optimizer, training.scaler, progress,
-                                             args, split.class_names, ctx.world_size)
-                save_epoch(output_dir, checkpoint, record, is_best, writer)
+                save_epoch(output_dir, checkpoint_of(training, progress, args, split, ctx), record, is_best, writer)
                 print(epoch_line(record, args.epochs, is_best), flush=True)
 
 
@@ -188,20 +193,18 @@ def train_or_stop(training: Training, train_loader: DataLoader, epoch: int, prog
         return train_one_epoch(training, train_loader, ctx, epoch, args.epochs, progress.steps_in_epoch,
                                progress.epoch_sums)
     except StoppedInEpoch as stop:
-        stopped = Progress(epoch - 1, progress.best_acc, stop.steps_done, tuple(stop.sums))
-        save_position(training, stopped, args, split, output_dir, ctx)
+        if ctx.is_main:
+            stopped = Progress(epoch - 1, progress.best_acc, stop.steps_done, tuple(stop.sums))
+            save_position(output_dir, checkpoint_of(training, stopped, args, split, ctx))
+        barrier(ctx)  # no process exits (and no launcher ends the job) before last.pth is on disk
         raise Preempted(f"SIGTERM: every process stopped after step {stop.steps_done} of epoch {epoch}; "
-                        f"{output_dir / 'last.pth'} holds the position: resume with --resume auto") from None
+                        f"{output_dir / LAST} holds the position: resume with --resume auto") from None
 
 
-def save_position(training: Training, progress: Progress, args: argparse.Namespace, split: DataSplit,
-                  output_dir: Path, ctx: DistContext) -> None:
-    """Rank 0 writes last.pth with the position inside the epoch; every rank waits until it is
-    on disk, so that no process exits (and no launcher kills the job) before."""
-    if ctx.is_main:
-        save_atomic(make_checkpoint(training.placed.module, training.optimizer, training.scaler, progress, args,
-                                    split.class_names, ctx.world_size), output_dir / "last.pth")
-    barrier(ctx)
+def checkpoint_of(training: Training, progress: Progress, args: argparse.Namespace, split: DataSplit,
+                  ctx: DistContext) -> dict[str, Any]:
+    return make_checkpoint(training.placed.module, training.optimizer, training.scaler, progress, args,
+                           split.class_names, ctx.world_size)
 
 
 def epoch_record(epoch: int, train: dict[str, float], val: dict[str, float], training: Training, split: DataSplit,

@@ -19,6 +19,7 @@ from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import DistContext, broadcast_object
 from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, DataSplit, UserError, save_split, write_json
 
+LAST, BEST = "last.pth", "best.pth"
 TENSORBOARD_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "train_images_per_sec")
 
 
@@ -49,8 +50,8 @@ def resolve_resume(plan: Plan, output_dir: Path, ctx: DistContext) -> str | None
     if resume != "auto":
         return resume
     # Rank 0 decides, so every rank makes the same choice even if a file appears meanwhile.
-    found = (output_dir / "last.pth").is_file() if ctx.is_main else None
-    return str(output_dir / "last.pth") if broadcast_object(found, ctx) else None
+    found = (output_dir / LAST).is_file() if ctx.is_main else None
+    return str(output_dir / LAST) if broadcast_object(found, ctx) else None
 
 
 def write_run_files(output_dir: Path, plan: Plan, split: DataSplit, epochs_done: int, ctx: DistContext) -> None:
@@ -78,13 +79,19 @@ def restore_metrics(path: Path, completed_epochs: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
+def save_position(output_dir: Path, checkpoint: dict[str, Any]) -> None:
+    """Rank 0's file for a run stopped inside an epoch: last.pth alone; metrics.jsonl only ever
+    holds finished epochs."""
+    save_atomic(checkpoint, output_dir / LAST)
+
+
 def save_epoch(output_dir: Path, checkpoint: dict[str, Any], record: dict[str, Any], is_best: bool,
                writer: SummaryWriter) -> None:
     """Rank 0's files for one epoch. The checkpoint goes first: metrics.jsonl never mentions
     an epoch that a resumed run would train again."""
-    save_atomic(checkpoint, output_dir / "last.pth")
+    save_atomic(checkpoint, output_dir / LAST)
     if is_best:
-        copy_atomic(output_dir / "last.pth", output_dir / "best.pth")
+        copy_atomic(output_dir / LAST, output_dir / BEST)
     with open(output_dir / METRICS_FILE, "a") as f:
         f.write(json.dumps(record) + "\n")
     for key in TENSORBOARD_SCALARS:
