@@ -10,8 +10,9 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,12 +37,27 @@ def readable_split(plan: Plan, ctx: DistContext) -> DataSplit:
     return split_samples(samples, plan.class_names, plan.args.val_rate, plan.args.seed)
 
 
-def die_with_parent(_worker_id: int) -> None:
-    """A loader worker ends the moment its training process does, however that one ended.
-    Otherwise a worker orphaned by SIGKILL lingers until PyTorch's watchdog notices, holding the
-    job's terminal or log pipe open after the launcher has gone."""
+def start_worker(_worker_id: int) -> None:
+    """Set up a loader worker. It ends the moment its training process does, however that one
+    ended: otherwise a worker orphaned by SIGKILL lingers until PyTorch's watchdog notices,
+    holding the job's terminal or log pipe open after the launcher has gone."""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    sys.excepthook = quiet_dropped_handover(sys.excepthook)
+
+
+def quiet_dropped_handover(hook: Callable[..., None]) -> Callable[..., None]:
+    """`hook`, silent about a dropped connection. A batch leaves a worker as shared-memory file
+    descriptors, handed over a socket by a thread of the worker (multiprocessing's
+    resource_sharer) that reports any failure through sys.excepthook. A training process ended
+    by Ctrl-C in the middle of a handover drops that socket, and the report would be a traceback
+    under the run's own "interrupted" line, about nothing the user could act on."""
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if not issubclass(kind, (ConnectionError, EOFError)):
+            hook(kind, value, tb)
+
+    return excepthook
 
 
 def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataLoader, DataLoader]:
@@ -51,7 +67,7 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
         batch_size=args.batch_size,
         num_workers=workers,
         persistent_workers=workers > 0,
-        worker_init_fn=die_with_parent,
+        worker_init_fn=start_worker,
         pin_memory=ctx.device.type == "cuda",
         # A process started by mp.spawn would also spawn its loader workers, each re-importing
         # torch (seconds) and receiving a pickled copy of the dataset; forking, Linux's default
