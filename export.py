@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from model import EXPORT_FORMATS, describe_export, export_model, load_exported, preprocessing_path
-from multi_train_utils.checkpoint import load_checkpoint, model_from_checkpoint
-from my_dataset import ImageFiles, normalize
+from multi_train_utils.checkpoint import architecture, load_checkpoint, model_from_checkpoint
+from my_dataset import ImageFiles, eval_img_size, normalize
 from utils import ProjectError, UserError, exit_on_error, image_files, write_json
 
 BUNDLED_PHOTOS = Path(__file__).resolve().parent / "data" / "flower_photos_sample"
@@ -75,11 +75,11 @@ def main() -> None:
     with exit_on_error():
         checkpoint = load_checkpoint(args.checkpoint, mmap=True)
         model = model_from_checkpoint(checkpoint)
-        img_size = checkpoint["args"]["img_size"]
+        img_size = eval_img_size(checkpoint["args"])
         output = Path(args.output or Path(args.checkpoint).with_name("model" + EXPORT_FORMATS[args.format]))
         images = check_batch(args.check_images or BUNDLED_PHOTOS, img_size)
         export_model(model, args.format, output, img_size)
-        description = describe_export(args.format, checkpoint["class_names"], img_size)
+        description = describe_export(args.format, architecture(checkpoint), checkpoint["class_names"], img_size)
         try:
             worst = largest_difference(model, load_exported(output, args.format), images)
             if not worst <= args.tolerance:  # also catches NaN

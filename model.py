@@ -1,5 +1,6 @@
-"""ResNet34 from torchvision, freezing its backbone, BatchNorm that syncs on the CPU, and the
-formats a trained model ships in (ONNX, torch.export, TorchScript)."""
+"""The torchvision model (ResNet34 unless asked otherwise) and its classifier head, freezing
+its backbone, BatchNorm that syncs on the CPU, and the formats a trained model ships in (ONNX,
+torch.export, TorchScript)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torchvision
 from torch import nn
-from torchvision.models import resnet34
 
 from my_dataset import IMAGENET_MEAN, IMAGENET_STD, eval_resize
 from utils import UserError
@@ -23,14 +24,40 @@ INPUT_NAME, OUTPUT_NAME = "images", "logits"
 ONNX_PACKAGES = "onnx, onnxscript and onnxruntime (pip install -r requirements-export.txt)"
 
 
-def create_model(num_classes: int) -> nn.Module:
-    return resnet34(weights=None, num_classes=num_classes)
+DEFAULT_MODEL = "resnet34"
+
+
+def model_names() -> list[str]:
+    """torchvision's image classification models (not its detection or segmentation ones)."""
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def create_model(num_classes: int, name: str = DEFAULT_MODEL) -> nn.Module:
+    """A torchvision classification model by name, randomly initialised, with `num_classes` outputs."""
+    if name not in model_names():
+        raise UserError(f"--model {name!r} is not a torchvision classification model; "
+                        f"these are: {', '.join(model_names())}")
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def imagenet_state_dict(name: str) -> dict[str, torch.Tensor]:
+    """The default ImageNet weights torchvision has for model `name` (downloaded once, then cached)."""
+    return torchvision.models.get_model_weights(name).DEFAULT.get_state_dict(progress=True)
+
+
+def classifier(model: nn.Module) -> tuple[str, nn.Linear]:
+    """The classification head: the model's last Linear layer (`fc` in a ResNet)."""
+    heads = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not heads:
+        raise UserError(f"{type(model).__name__} has no Linear layer for a classifier head")
+    return heads[-1]
 
 
 def freeze_backbone(model: nn.Module) -> None:
-    """Train only the classifier (`fc`)."""
+    """Train only the classifier head."""
+    head = classifier(model)[0] + "."
     for name, param in model.named_parameters():
-        param.requires_grad_(name.startswith("fc."))
+        param.requires_grad_(name.startswith(head))
 
 
 def set_train_mode(model: nn.Module) -> None:
@@ -151,11 +178,11 @@ def preprocessing_path(model_path: Path) -> Path:
     return Path(f"{model_path}.json")
 
 
-def describe_export(fmt: str, class_names: list[str], img_size: int) -> dict[str, Any]:
+def describe_export(fmt: str, architecture: str, class_names: list[str], img_size: int) -> dict[str, Any]:
     """What a user of the exported model needs to feed it: written beside it as JSON."""
     return {
         "format": fmt,
-        "architecture": "resnet34",
+        "architecture": architecture,
         "class_names": class_names,
         "img_size": img_size,
         "input": {"name": INPUT_NAME, "shape": ["batch", 3, img_size, img_size], "dtype": "float32",

@@ -2,10 +2,11 @@
 sampler that makes augmentation reproducible. Knows nothing of processes or launchers."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
-from collections.abc import Iterator, Sequence
-from typing import Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from PIL import Image
@@ -42,18 +43,76 @@ def decode(path: str, min_size: int) -> torch.Tensor:
     return pil_to_tensor(load_rgb(path, min_size))
 
 
-def build_transform(img_size: int, train: bool) -> v2.Compose:
+AUTO_AUGMENT = {"none": None, "ta_wide": v2.TrivialAugmentWide, "ra": v2.RandAugment, "augmix": v2.AugMix}
+
+
+@dataclasses.dataclass(frozen=True)
+class Augmentation:
+    """The training augmentation beyond the random crop and flip: torchvision.transforms.v2's
+    own policies, as torchvision's classification references apply them."""
+
+    auto_augment: str = "none"  # a key of AUTO_AUGMENT
+    random_erase: float = 0.0  # probability of erasing one rectangle per image
+
+
+def build_transform(img_size: int, train: bool, augmentation: Augmentation = Augmentation()) -> v2.Compose:
     """Takes uint8 tensors (or PIL images) and gives uint8 CHW tensors of `img_size`.
 
     Everything here runs on one byte per channel. The float conversion and normalisation
     wait for `normalize`, on the training device, batched: a loader worker then hands over,
     and the GPU copy then moves, a quarter of the bytes of float32.
     """
-    if train:
-        geometry = [v2.RandomResizedCrop(img_size, antialias=True), v2.RandomHorizontalFlip()]
-    else:
+    if not train:
         geometry = [v2.Resize(eval_resize(img_size), antialias=True), v2.CenterCrop(img_size)]
-    return v2.Compose([v2.PILToTensor(), *geometry])  # PILToTensor: PIL input only, tensors pass through
+        return v2.Compose([v2.PILToTensor(), *geometry])  # PILToTensor: PIL input only, tensors pass through
+    steps = [v2.PILToTensor(), v2.RandomResizedCrop(img_size, antialias=True), v2.RandomHorizontalFlip()]
+    policy = AUTO_AUGMENT[augmentation.auto_augment]
+    if policy is not None:
+        steps.append(policy())
+    if augmentation.random_erase > 0:
+        # The references erase after normalising, with 0, which is the mean colour; on uint8
+        # pixels that colour is the mean itself.
+        steps.append(v2.RandomErasing(augmentation.random_erase, value=[round(255 * m) for m in IMAGENET_MEAN]))
+    return v2.Compose(steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeSchedule:
+    """The training crop of each epoch (progressive resizing, as FFCV's ResNet recipes do it):
+    `low` px in epoch 1, growing linearly to `high` by epoch `ramp_epochs`, `high` from then on.
+    A smaller crop costs quadratically fewer operations per image. Sizes are multiples of 16,
+    so a ramp uses a few distinct shapes (each one an autotuning or a compilation)."""
+
+    low: int
+    high: int
+    ramp_epochs: int = 0
+
+    def __call__(self, epoch: int) -> int:
+        if epoch >= self.ramp_epochs or self.low >= self.high:
+            return self.high
+        size = self.low + (self.high - self.low) * (epoch - 1) / (self.ramp_epochs - 1)
+        return min(self.high, 16 * round(size / 16))
+
+
+class TrainTransforms:
+    """Epoch -> the training transform of that epoch, its crop size following `sizes`; each
+    size's transform is built on first use."""
+
+    def __init__(self, sizes: SizeSchedule, augmentation: Augmentation = Augmentation()):
+        self.sizes = sizes
+        self.augmentation = augmentation
+        self.built: dict[int, v2.Compose] = {}
+
+    def __call__(self, epoch: int) -> v2.Compose:
+        size = self.sizes(epoch)
+        if size not in self.built:
+            self.built[size] = build_transform(size, train=True, augmentation=self.augmentation)
+        return self.built[size]
+
+
+def eval_img_size(config: Mapping[str, Any]) -> int:
+    """The size a run's model is evaluated at, from its configuration (args, or a checkpoint's)."""
+    return config.get("val_img_size") or config["img_size"]
 
 
 @functools.cache
@@ -111,13 +170,14 @@ class MyDataSet(Dataset):
     """(image, label) pairs from a list of (path, label).
 
     A key is either an index or an (epoch, index) pair from `EpochSampler`. For a pair, the
-    random augmentation is seeded by (seed, epoch, index): the same image gets the same crop
+    transform is that epoch's where `transform` is a TrainTransforms, and
+    the random augmentation is seeded by (seed, epoch, index): the same image gets the same crop
     in the same epoch whatever the world size, the number of loader workers, or whether the
     run was resumed, which is what makes resumed and repeated runs exact.
     """
 
-    def __init__(self, samples: Sequence[Sample], transform: v2.Compose, min_size: int, seed: int = 0,
-                 cache: PixelCache | None = None):
+    def __init__(self, samples: Sequence[Sample], transform: v2.Compose | TrainTransforms, min_size: int,
+                 seed: int = 0, cache: PixelCache | None = None):
         self.samples = list(samples)
         self.transform = transform
         self.min_size = min_size
@@ -135,11 +195,12 @@ class MyDataSet(Dataset):
         except Exception as e:
             # Unreadable files were left out at start-up; this one changed since.
             raise RuntimeError(f"cannot decode {path}: {e}") from e
+        transform = self.transform(epoch or 1) if isinstance(self.transform, TrainTransforms) else self.transform
         if epoch is None:
-            return self.transform(img), label
+            return transform(img), label
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed((self.seed * 1_000_003 + epoch) * 1_000_003 + index)
-            return self.transform(img), label
+            return transform(img), label
 
 
 class EpochSampler(Sampler[tuple[int, int]]):

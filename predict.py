@@ -26,7 +26,7 @@ from model import EXPORT_FORMATS, load_exported, read_preprocessing
 from multi_train_utils.checkpoint import load_checkpoint, model_from_checkpoint
 from multi_train_utils.distributed_utils import resolve_device
 from multi_train_utils.train_eval_utils import PlacedModel
-from my_dataset import ImageFiles, default_workers, normalize
+from my_dataset import ImageFiles, default_workers, eval_img_size, normalize
 from utils import IMG_EXTENSIONS, UserError, exit_on_error, image_files
 
 
@@ -64,9 +64,9 @@ def load_classifier(path: str, device: torch.device) -> Classifier:
         return Classifier(info["class_names"], info["img_size"], lambda images: run(normalize(images)),
                           torch.device("cpu"))
     checkpoint = load_checkpoint(path, mmap=True)  # mapped: the optimizer state is never read
-    placed = PlacedModel(model_from_checkpoint(checkpoint).to(device), device)
-    return Classifier(checkpoint["class_names"], checkpoint["args"]["img_size"],
-                      lambda images: placed.module(placed.input(images)), device)
+    # Evaluated as the run evaluated it: at its validation size, with its --tta.
+    placed = PlacedModel(model_from_checkpoint(checkpoint).to(device), device, tta=checkpoint["args"].get("tta", False))
+    return Classifier(checkpoint["class_names"], eval_img_size(checkpoint["args"]), placed.eval_logits, device)
 
 
 def predict(

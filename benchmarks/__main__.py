@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(a, "docs/benchmark/accuracy.json", 128)
     a.add_argument("--epochs", type=int, default=20)
     a.add_argument("--batch-size", type=int, default=16)
-    a.add_argument("--seed", type=int, default=0, help="initial weights, split and augmentation, for both recipes")
+    a.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4],
+                   help="each sets the split, the initial weights and the augmentation, for every recipe")
     a.add_argument("--variant", action="append", default=[], metavar="OPTIONS",
                    help="also train ours with these extra options, e.g. --variant '--lr 0.2' (repeatable)")
     a.add_argument("--skip-seed", action="store_true", help="train only ours and its variants")

@@ -1,5 +1,6 @@
-"""The accuracy experiment: the seed recipe and ours trained from scratch on the same split,
-their validation accuracy per epoch."""
+"""The accuracy experiment: the seed recipe and ours (and variants of ours) trained from scratch
+on the same split, seed after seed; validation accuracy against wall-clock time, and how soon
+each of ours first reaches the seed recipe's final accuracy."""
 from __future__ import annotations
 
 import argparse
@@ -19,83 +20,129 @@ from multi_train_utils.loaders import readable_split
 from utils import read_metrics
 
 
-def train_ours(args: argparse.Namespace, options: list[str], out_dir: Path) -> tuple[list[dict[str, Any]], str]:
+def train_ours(args: argparse.Namespace, seed: int, options: list[str], out_dir: Path) -> tuple[list[dict[str, Any]], str]:
     """Our defaults (plus `options`) through the real launcher, on the settings the seed recipe
     gets; its metrics.jsonl is the result. Returns that and the command, as a user would type it."""
     cmd = ["train_single_gpu.py", "--data-path", args.data_path, "--img-size", str(args.img_size),
-           "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
+           "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--seed", str(seed),
            "--output-dir", str(out_dir), *options]
     print("$ " + shlex.join(["python", *cmd]), flush=True)
     subprocess.run([sys.executable, *cmd], cwd=ROOT, check=True)
     return read_metrics(out_dir), shlex.join(["python", *cmd])
 
 
-def recipe_summary(records: list[dict[str, Any]], wall_seconds: float, command: str) -> dict[str, Any]:
-    """One recipe's result: its accuracy at the end, at best and over the last epochs, and its times."""
-    accs = [r["val_acc"] for r in records]
-    return {
-        "command": command,
-        "final_val_acc": accs[-1],
-        "best_val_acc": max(accs),
-        "last3_mean_val_acc": statistics.fmean(accs[-3:]),
-        "val_acc_per_epoch": accs,
-        "train_seconds": round(sum(r["epoch_seconds"] for r in records), 1),
-        "eval_seconds": round(sum(r["eval_seconds"] for r in records), 1),
-        "wall_seconds": round(wall_seconds, 1),
-        "epochs": records,
-    }
+def curve(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(seconds of training and evaluation so far, validation accuracy) after each epoch. A run
+    that keeps a weight average (--ema) is judged by the average's accuracy, decided in
+    advance rather than picked per epoch."""
+    seconds, points = 0.0, []
+    for r in records:
+        seconds += r["epoch_seconds"] + r["eval_seconds"]
+        points.append((round(seconds, 1), r.get("ema_val_acc", r["val_acc"])))
+    return points
+
+
+def first_reach(points: list[tuple[float, float]], accuracy: float) -> float | None:
+    """Seconds until the curve first reaches `accuracy`, or None."""
+    return next((t for t, acc in points if acc >= accuracy), None)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarise(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """Per recipe over seeds: final accuracy, time, and (for ours) the time to the seed
+    recipe's final accuracy of the same seed, as a share of the seed recipe's time."""
+    summary = {}
+    for name, by_seed in runs.items():
+        finals = [r["curve"][-1][1] for r in by_seed.values()]
+        entry = {"final_val_acc": spread(finals), "seconds": spread([r["curve"][-1][0] for r in by_seed.values()])}
+        if name != "seed" and "seed" in runs:
+            shares, missed = [], 0
+            for seed, r in by_seed.items():
+                target = runs["seed"][seed]["curve"]
+                reached = first_reach(r["curve"], target[-1][1])
+                if reached is None:
+                    missed += 1
+                else:
+                    shares.append(reached / target[-1][0])
+            entry["points_above_seed"] = spread([100 * (r["curve"][-1][1] - runs["seed"][s]["curve"][-1][1])
+                                                 for s, r in by_seed.items()])
+            entry["time_to_seed_accuracy_share"] = spread(shares) if shares else None
+            entry["seeds_never_reaching_seed_accuracy"] = missed
+        summary[name] = entry
+    return summary
 
 
 def accuracy(args: argparse.Namespace) -> dict[str, Any]:
-    """The `accuracy` command: the seed in this process, ours and its variants through the launcher."""
+    """The `accuracy` command: for each seed, the seed recipe in this process, then ours and its
+    variants through the launcher, one run at a time."""
     run = Run("accuracy", args.machine)
     runs_dir = Path(args.runs_dir or f"runs/benchmark-accuracy-{time.strftime('%Y%m%d-%H%M%S')}")
-    plan = ours_plan(args.data_path, args.img_size, args.batch_size, ["--epochs", str(args.epochs),
-                                                                      "--seed", str(args.seed)])
-    split = readable_split(plan, DistContext.single())
-    recipes: dict[str, dict[str, Any]] = {}
-    if not args.skip_seed:
-        t0 = time.perf_counter()
-        records = train_seed(plan.args, split, lambda line: print(line, flush=True))
-        recipes["seed"] = recipe_summary(records, time.perf_counter() - t0,
-                                         f"{command_line()}  (the seed recipe, in-process)")
     variants = [("ours", [])] + [(f"ours {v}", shlex.split(v)) for v in args.variant]
-    for name, options in variants:
-        out_dir = runs_dir / name.replace(" ", "").replace("--", "_")
-        t0 = time.perf_counter()
-        records, cmd = train_ours(args, options, out_dir)
-        recipes[name] = recipe_summary(records, time.perf_counter() - t0, cmd)
-    settings = {"data_path": args.data_path, "img_size": args.img_size, "epochs": args.epochs,
-                "batch_size": args.batch_size, "val_rate": plan.args.val_rate, "seed": plan.args.seed,
-                "train_images": len(split.train), "val_images": len(split.val), "runs_dir": str(runs_dir)}
-    result = run.result(settings, recipes=recipes)
-    if "seed" in recipes:
-        seed_acc = recipes["seed"]["final_val_acc"]
-        result["points_above_seed"] = {name: round(100 * (r["final_val_acc"] - seed_acc), 2)
-                                       for name, r in recipes.items() if name != "seed"}
-    table = ["| recipe | final val acc | best | mean of last 3 | train s | wall s |", "|---|---|---|---|---|---|"]
-    table += [f"| {name} | {100 * r['final_val_acc']:.1f}% | {100 * r['best_val_acc']:.1f}% | "
-              f"{100 * r['last3_mean_val_acc']:.1f}% | {r['train_seconds']:.0f} | {r['wall_seconds']:.0f} |"
-              for name, r in recipes.items()]
-    write_result(result, args.out, "\n".join(table), plot_accuracy)
+    runs: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in (["seed"] if not args.skip_seed else [])}
+    runs.update({name: {} for name, _ in variants})
+    settings: dict[str, Any] = {}
+    for seed in args.seeds:
+        plan = ours_plan(args.data_path, args.img_size, args.batch_size, ["--epochs", str(args.epochs),
+                                                                          "--seed", str(seed)])
+        split = readable_split(plan, DistContext.single())
+        settings = {"data_path": args.data_path, "img_size": args.img_size, "epochs": args.epochs,
+                    "batch_size": args.batch_size, "val_rate": plan.args.val_rate, "seeds": args.seeds,
+                    "train_images": len(split.train), "val_images": len(split.val), "runs_dir": str(runs_dir)}
+        if not args.skip_seed:
+            records = train_seed(plan.args, split, lambda line: print(line, flush=True))
+            runs["seed"][seed] = {"command": f"{command_line()}  (the seed recipe, in-process)",
+                                  "curve": curve(records), "epochs": records}
+        for name, options in variants:
+            out_dir = runs_dir / f"{name.replace(' ', '').replace('--', '_')}-seed{seed}"
+            records, cmd = train_ours(args, seed, options, out_dir)
+            runs[name][seed] = {"command": cmd, "curve": curve(records), "epochs": records}
+        # Written after every seed: a long experiment cut short keeps the seeds it finished.
+        summary = summarise(runs)
+        result = run.result({**settings, "seeds": args.seeds[: args.seeds.index(seed) + 1]}, summary=summary,
+                            runs=runs)
+        write_result(result, args.out, report_table(summary), plot_accuracy)
     return result
 
 
+def report_table(summary: dict[str, Any]) -> str:
+    def pm(s: dict[str, float], scale: float = 100, digits: int = 1) -> str:
+        return f"{scale * s['mean']:.{digits}f} ± {scale * s['std']:.{digits}f}"
+
+    lines = ["| recipe | final val acc (%) | vs seed (points) | seconds | time to seed's final acc |",
+             "|---|---|---|---|---|"]
+    for name, s in summary.items():
+        share = s.get("time_to_seed_accuracy_share")
+        reach = "" if name == "seed" else (f"{pm(share, digits=0)}% of seed's" if share else "never")
+        if s.get("seeds_never_reaching_seed_accuracy"):
+            reach += f" (never on {s['seeds_never_reaching_seed_accuracy']} seed(s))"
+        above = pm(s["points_above_seed"], scale=1) if "points_above_seed" in s else ""
+        lines.append(f"| {name} | {pm(s['final_val_acc'])} | {above} | {pm(s['seconds'], scale=1, digits=0)} | {reach} |")
+    return "\n".join(lines)
+
+
 def plot_accuracy(result: dict[str, Any], path: Path) -> None:
-    """Validation accuracy per epoch, one line per recipe."""
-    fig = new_figure(7, 4.2)
+    """Validation accuracy against seconds of training and evaluation: one line per recipe
+    and seed, one colour per recipe."""
+    fig = new_figure(7.5, 4.5)
     if fig is None:
         return
     ax = fig.subplots()
-    for name, r in result["recipes"].items():
-        accs = r["val_acc_per_epoch"]
-        ax.plot(range(1, len(accs) + 1), [100 * a for a in accs], "o-", markersize=3,
-                label=f"{name}: final {100 * accs[-1]:.1f}%")
+    for i, (name, by_seed) in enumerate(result["runs"].items()):
+        for j, r in enumerate(by_seed.values()):
+            seconds, accs = zip(*r["curve"])
+            ax.plot(seconds, [100 * a for a in accs], "-", color=f"C{i}", alpha=0.7, linewidth=1,
+                    label=f"{name} ({100 * result['summary'][name]['final_val_acc']['mean']:.1f}% mean final)"
+                    if j == 0 else None)
     s = result["settings"]
-    ax.set(xlabel="epoch", ylabel="validation accuracy (%)",
-           title=f"{s['train_images']} training / {s['val_images']} validation images, {s['img_size']} px, from scratch\n"
+    ax.set(xlabel="seconds of training and evaluation", ylabel="validation accuracy (%)",
+           title=f"{s['train_images']} training / {s['val_images']} validation images, {s['img_size']} px, "
+                 f"{s['epochs']} epochs, from scratch, seeds {', '.join(map(str, s['seeds']))}\n"
                  f"{result['machine']['name']}")
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.savefig(path, dpi=PLOT_DPI)

@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchvision.models import ResNet34_Weights
 
-from model import create_model
+from model import DEFAULT_MODEL, create_model, imagenet_state_dict
 from utils import UserError
 
 REQUIRED_KEYS = ("model", "optimizer", "scaler", "epoch", "best_acc", "args", "class_names")
@@ -47,11 +46,15 @@ class Progress:
 
 
 def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                    progress: Progress, args: argparse.Namespace, class_names: list[str],
-                    world_size: int) -> dict[str, Any]:
-    """`model` is the unwrapped one (no DDP, not compiled): its keys then fit any launcher."""
+                    progress: Progress, args: argparse.Namespace, class_names: list[str], world_size: int,
+                    ema: nn.Module | None = None, better: str = "model") -> dict[str, Any]:
+    """`model` is the unwrapped one (no DDP, not compiled): its keys then fit any launcher.
+    `ema`: the weight average, when the run keeps one; `better`: which of "model" and "ema"
+    scored higher in this epoch's evaluation, the weights a user of this file ships."""
     return {
         "model": model.state_dict(),
+        **({"ema": ema.state_dict()} if ema is not None else {}),
+        "better": better,
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),
         "epoch": progress.epoch,
@@ -64,25 +67,41 @@ def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
     }
 
 
+def architecture(checkpoint: dict[str, Any]) -> str:
+    return checkpoint["args"].get("model", DEFAULT_MODEL)  # checkpoints from before --model: ResNet34
+
+
+def shipped_weights(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The weights a user ships: the better of the model and its average (--ema)."""
+    return checkpoint[checkpoint.get("better", "model")]
+
+
 def model_from_checkpoint(checkpoint: dict[str, Any]) -> nn.Module:
-    """The trained model a checkpoint holds, on the CPU, in eval mode."""
-    model = create_model(len(checkpoint["class_names"]))
-    model.load_state_dict(checkpoint["model"])
+    """The trained model a checkpoint holds (its shipped weights), on the CPU, in eval mode."""
+    model = create_model(len(checkpoint["class_names"]), architecture(checkpoint))
+    model.load_state_dict(shipped_weights(checkpoint))
     return model.eval()
 
 
-def restore_weights(checkpoint: dict[str, Any], model: nn.Module, class_names: list[str], source: str) -> None:
+def restore_weights(checkpoint: dict[str, Any], model: nn.Module, args: argparse.Namespace,
+                    class_names: list[str], source: str) -> None:
     if checkpoint["class_names"] != class_names:
         raise UserError(f"{source} was trained on classes {checkpoint['class_names']}, but the data has {class_names}")
-    model.load_state_dict(checkpoint["model"])
+    if architecture(checkpoint) != args.model:
+        raise UserError(f"{source} holds a {architecture(checkpoint)}, not the --model {args.model} asked for")
+    # Evaluating a checkpoint means its shipped weights; continuing one, the trained weights.
+    model.load_state_dict(shipped_weights(checkpoint) if args.eval_only else checkpoint["model"])
 
 
 def restore_progress(checkpoint: dict[str, Any], optimizer: torch.optim.Optimizer,
-                     scaler: torch.amp.GradScaler) -> Progress:
-    """The optimizer and scaler state, and how far the run had come. The learning rate is not
-    taken from the optimizer state: the loop sets it from the step at every step."""
+                     scaler: torch.amp.GradScaler, ema: nn.Module | None = None) -> Progress:
+    """The optimizer, scaler and weight-average state, and how far the run had come. The
+    learning rate is not taken from the optimizer state: the loop sets it from the step at
+    every step. A run that turns --ema on when it resumes starts the average from the weights."""
     optimizer.load_state_dict(checkpoint["optimizer"])
     scaler.load_state_dict(checkpoint["scaler"])
+    if ema is not None:
+        ema.load_state_dict(checkpoint.get("ema", checkpoint["model"]))
     return Progress(checkpoint["epoch"], checkpoint["best_acc"], checkpoint.get("steps_in_epoch", 0),
                     tuple(checkpoint.get("epoch_sums", (0.0, 0.0, 0.0))))
 
@@ -168,7 +187,7 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
     except Exception as e:  # torch.load raises many types for a bad file
         raise UserError(f"cannot read weights {path!r}: {why_unloadable(e)}") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
-        obj = obj["model"]  # one of our checkpoints
+        obj = shipped_weights(obj)  # one of our checkpoints
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise UserError(f"{path!r} holds no state dict of tensors")
     return {_unwrapped_key(k): v for k, v in obj.items()}
@@ -182,16 +201,18 @@ def _unwrapped_key(key: str) -> str:
     return key
 
 
-def load_weights(model: nn.Module, source: str, log: Callable[[str], None]) -> None:
-    """Load `source` (a file, or `imagenet`) into `model`, skipping tensors whose shape differs
-    (the 1000-class ImageNet head, typically), and say what was loaded and skipped."""
+def load_weights(model: nn.Module, source: str, log: Callable[[str], None], architecture: str = DEFAULT_MODEL) -> None:
+    """Load `source` (a file, or `imagenet`: the default ImageNet weights of `architecture`)
+    into `model`, skipping tensors whose shape differs (the 1000-class ImageNet head,
+    typically), and say what was loaded and skipped."""
     if source == "imagenet":
         try:
-            state = ResNet34_Weights.IMAGENET1K_V1.get_state_dict(progress=True)
+            state = imagenet_state_dict(architecture)
         except Exception as e:  # URLError and friends: offline, proxy, no disk
             raise UserError(
-                f"could not download torchvision's ImageNet weights ({type(e).__name__}: {e}); "
-                "offline, download resnet34-b627a593.pth elsewhere and pass it as --weights PATH"
+                f"could not download torchvision's ImageNet weights for {architecture} ({type(e).__name__}: {e}); "
+                "offline, download them elsewhere (torchvision.models.get_model_weights) and pass the file "
+                "as --weights PATH"
             ) from None
     else:
         state = read_state_dict(source)
@@ -200,7 +221,7 @@ def load_weights(model: nn.Module, source: str, log: Callable[[str], None]) -> N
     skipped = sorted(k for k in state if k not in loadable)
     missing = sorted(k for k in own if k not in loadable)
     if not loadable:
-        raise UserError(f"{source!r} has no tensor that fits ResNet34 (is it a ResNet34 checkpoint?)")
+        raise UserError(f"{source!r} has no tensor that fits {architecture} (were they trained as another model?)")
     model.load_state_dict(loadable, strict=False)
     log(
         f"weights from {source}: loaded {len(loadable)} tensors, skipped {len(skipped)}"

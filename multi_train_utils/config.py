@@ -11,6 +11,8 @@ from pathlib import Path
 
 from multi_train_utils.checkpoint import load_checkpoint, read_state_dict
 from multi_train_utils.distributed_utils import parse_device, parse_dist_url
+from model import DEFAULT_MODEL, model_names
+from my_dataset import AUTO_AUGMENT
 from utils import DataSplit, Sample, UserError, download_flower_photos, list_images
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -58,6 +60,13 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     data.add_argument("--num-classes", type=int, default=None,
                       help="number of classes; inferred from the folders, and checked against them when given")
     data.add_argument("--img-size", type=int, default=224, help="training crop; validation resizes to img/0.875 and crops")
+    data.add_argument("--val-img-size", type=int, default=None,
+                      help="evaluate at this size instead (resized to size/0.875, centre-cropped); a little larger "
+                           "than the training crop often scores better (default: --img-size)")
+    data.add_argument("--min-img-size", type=int, default=None,
+                      help="progressive resizing: the training crop of epoch 1, growing to --img-size by "
+                           "--ramp-epochs (default: --img-size throughout)")
+    data.add_argument("--ramp-epochs", type=int, default=0, help="the epoch by which the crop reaches --img-size")
     data.add_argument("--cache", action=BoolFlag,
                       help="decode and resize every image once and keep the pixels in shared memory "
                            "(one copy per machine), so epochs after the first skip JPEG decoding")
@@ -74,11 +83,29 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     train.add_argument("--weight-decay", type=float, default=5e-5, help="applied to weights, not to BatchNorm or biases")
     train.add_argument("--warmup-epochs", type=float, default=1.0, help="linear warm-up before the cosine decay")
     train.add_argument("--label-smoothing", type=float, default=0.1)
+    train.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradient to this norm")
+    train.add_argument("--ema", action=BoolFlag,
+                       help="keep an exponential moving average of the weights, evaluate it beside them each "
+                            "epoch, and let best.pth hold whichever scored better")
+    train.add_argument("--ema-decay", type=float, default=0.995, help="per optimizer step")
     train.add_argument("--seed", type=int, default=0, help="seeds the split, the initial weights and the augmentation")
 
+    aug = p.add_argument_group("augmentation", "on top of the random resized crop and the horizontal flip")
+    aug.add_argument("--auto-augment", default="none", choices=list(AUTO_AUGMENT),
+                     help="torchvision's TrivialAugmentWide, RandAugment or AugMix")
+    aug.add_argument("--random-erase", type=float, default=0.0, help="probability of erasing a rectangle")
+    aug.add_argument("--mixup-alpha", type=float, default=0.0, help="MixUp within each batch when above 0")
+    aug.add_argument("--cutmix-alpha", type=float, default=0.0,
+                     help="CutMix within each batch when above 0 (with MixUp too: one of the two per batch)")
+    aug.add_argument("--tta", action=BoolFlag, help="evaluate on the mean logits of each image and its mirror")
+
     model = p.add_argument_group("model")
+    model.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
+                       help="any torchvision classification model (torchvision.models.list_models()); the "
+                            "classifier head gets one output per class folder")
     model.add_argument("--weights", default=None,
-                       help="initial weights: a state dict, one of our checkpoints, or 'imagenet'")
+                       help="initial weights: a state dict, one of our checkpoints, or 'imagenet' (that model's "
+                            "default ImageNet weights, with a new head)")
     model.add_argument("--freeze-layers", action=BoolFlag, help="train only the classifier")
     model.add_argument("--sync-bn", action=BoolFlag,
                        help="BatchNorm statistics over all processes (multi-process runs only)")
@@ -143,9 +170,13 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
     may print (the first on its machine)."""
     if not 0 < args.val_rate < 1:
         raise UserError(f"--val-rate must be between 0 and 1 (exclusive), not {args.val_rate}")
-    for name in ("epochs", "batch_size", "img_size"):
-        if getattr(args, name) < 1:
+    for name in ("epochs", "batch_size", "img_size", "val_img_size", "min_img_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    check_recipe(args)
+    if args.model not in model_names():
+        raise UserError(f"--model {args.model!r} is not a torchvision classification model; "
+                        f"these are: {', '.join(model_names())}")
     if args.workers is not None and args.workers < 0:
         raise UserError("--workers cannot be negative")
     if args.num_classes is not None and args.num_classes < 2:
@@ -165,6 +196,21 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
         download_flower_photos(args.data_path, log=print if verbose else _quiet)
     class_names, samples = list_images(args.data_path, args.num_classes)
     return Plan(args, launcher, class_names, samples)
+
+
+def check_recipe(args: argparse.Namespace) -> None:
+    if args.min_img_size is not None and args.min_img_size > args.img_size:
+        raise UserError(f"--min-img-size {args.min_img_size} is above --img-size {args.img_size}")
+    if args.min_img_size is not None and args.min_img_size < args.img_size and args.ramp_epochs < 2:
+        raise UserError("--min-img-size needs --ramp-epochs 2 or more: the epoch by which the crop is full size")
+    if not 0 <= args.random_erase <= 1:
+        raise UserError(f"--random-erase is a probability, not {args.random_erase}")
+    if args.mixup_alpha < 0 or args.cutmix_alpha < 0:
+        raise UserError("--mixup-alpha and --cutmix-alpha cannot be negative")
+    if not 0 < args.ema_decay < 1:
+        raise UserError(f"--ema-decay must be between 0 and 1 (exclusive), not {args.ema_decay}")
+    if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
+        raise UserError("--clip-grad-norm must be positive")
 
 
 def _quiet(_: str) -> None:

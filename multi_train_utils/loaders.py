@@ -2,6 +2,7 @@
 training and validation loaders with their distributed samplers."""
 from __future__ import annotations
 
+import argparse
 import ctypes
 import mmap
 import os
@@ -21,7 +22,17 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import DistContext, ShardSampler, barrier, broadcast_object, gather_objects
-from my_dataset import EpochSampler, MyDataSet, build_transform, default_workers, eval_resize
+from my_dataset import (
+    Augmentation,
+    EpochSampler,
+    MyDataSet,
+    SizeSchedule,
+    TrainTransforms,
+    build_transform,
+    default_workers,
+    eval_img_size,
+    eval_resize,
+)
 from utils import DataSplit, UserError, drop_unreadable, find_unreadable, load_rgb, split_samples
 
 
@@ -60,6 +71,12 @@ def quiet_dropped_handover(hook: Callable[..., None]) -> Callable[..., None]:
     return excepthook
 
 
+def train_transforms(args: argparse.Namespace) -> TrainTransforms:
+    """Each epoch's training transform, as the options ask: its crop size and augmentation."""
+    sizes = SizeSchedule(args.min_img_size or args.img_size, args.img_size, args.ramp_epochs)
+    return TrainTransforms(sizes, Augmentation(args.auto_augment, args.random_erase))
+
+
 def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataLoader, DataLoader]:
     args = plan.args
     workers = default_workers(ctx.device, ctx.local_world_size) if args.workers is None else args.workers
@@ -74,16 +91,17 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
         # everywhere else, shares the parent's memory, the --cache pixels included.
         multiprocessing_context="fork" if workers > 0 and sys.platform == "linux" else None,
     )
+    val_size = eval_img_size(vars(args))
     cache = None
     if args.cache:
         started = time.perf_counter()
-        cache = SharedImageCache([p for p, _ in split.train + split.val], eval_resize(args.img_size), ctx)
+        cache = SharedImageCache([p for p, _ in split.train + split.val],
+                                 max(eval_resize(args.img_size), eval_resize(val_size)), ctx)
         ctx.print0(f"cache: {len(cache.shapes)} images, {cache.nbytes / 2**20:.0f} MiB of shared memory, one copy "
                    f"for the {ctx.local_world_size} process(es) on this machine, filled in "
                    f"{time.perf_counter() - started:.1f}s")
-    train_set = MyDataSet(split.train, build_transform(args.img_size, train=True), args.img_size, args.seed, cache)
-    val_set = MyDataSet(split.val, build_transform(args.img_size, train=False), eval_resize(args.img_size),
-                        cache=cache)
+    train_set = MyDataSet(split.train, train_transforms(args), args.img_size, args.seed, cache)
+    val_set = MyDataSet(split.val, build_transform(val_size, train=False), eval_resize(val_size), cache=cache)
     # Every process, the single one included, draws from a DistributedSampler: one code path.
     train_sampler = EpochSampler(
         DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)

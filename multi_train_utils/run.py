@@ -26,6 +26,7 @@ from multi_train_utils.checkpoint import (
     make_checkpoint,
     restore_progress,
     restore_weights,
+    shipped_weights,
 )
 from multi_train_utils.config import Plan, split_summary
 from multi_train_utils.distributed_utils import DistContext, TerminationRequest, barrier, broadcast_buffers
@@ -94,15 +95,15 @@ def announce(plan: Plan, split: DataSplit, output_dir: Path, ctx: DistContext) -
 
 def build_model(args: argparse.Namespace, class_names: list[str], checkpoint: dict[str, Any] | None,
                 source: str | None, ctx: DistContext) -> PlacedModel:
-    """ResNet34 with its initial weights (seeded, --weights, or the checkpoint's), on the device."""
+    """The model with its initial weights (seeded, --weights, or the checkpoint's), on the device."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in every rerun
-    model = create_model(len(class_names))
+    model = create_model(len(class_names), args.model)
     if args.weights:
-        load_weights(model, args.weights, ctx.print0)
+        load_weights(model, args.weights, ctx.print0, args.model)
     if args.freeze_layers:
         freeze_backbone(model)
     if checkpoint is not None:
-        restore_weights(checkpoint, model, class_names, source)
+        restore_weights(checkpoint, model, args, class_names, source)
     placed = place_model(model, args, ctx.device)
     precision = "fp32" if placed.amp_dtype is None else str(placed.amp_dtype).removeprefix("torch.") + " autocast"
     ctx.print0(f"precision: {precision}, memory format: {'channels_last' if args.channels_last else 'NCHW'}")
@@ -116,7 +117,8 @@ def resume(training: Training, checkpoint: dict[str, Any] | None, source: str | 
     elsewhere that epoch starts over."""
     if checkpoint is None:
         return Progress()
-    progress = restore_progress(checkpoint, training.optimizer, training.scaler)
+    progress = restore_progress(checkpoint, training.optimizer, training.scaler,
+                                training.ema.module if training.ema else None)
     message = f"resumed from {source}: {progress.epoch} epoch(s) done, best val_acc {progress.best_acc:.4f}"
     if progress.steps_in_epoch:
         same_steps = checkpoint["world_size"] == ctx.world_size and checkpoint["args"]["batch_size"] == args.batch_size
@@ -149,8 +151,9 @@ def use_best_weights(output_dir: Path, model: nn.Module, ctx: DistContext) -> st
     if not best.is_file():
         return "the final weights"
     checkpoint = load_checkpoint(best, mmap=True)
-    model.load_state_dict(checkpoint["model"])
-    return f"{best} (epoch {checkpoint['epoch']})"
+    model.load_state_dict(shipped_weights(checkpoint))
+    average = " weight average" if checkpoint.get("better") == "ema" else ""
+    return f"{best} (epoch {checkpoint['epoch']}{average})"
 
 
 @torch.no_grad()
@@ -174,14 +177,28 @@ def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataL
             started = time.perf_counter()
             train = train_or_stop(training, train_loader, epoch, progress, args, split, output_dir, ctx)
             train_seconds = time.perf_counter() - started
-            broadcast_buffers(training.placed.module, ctx)
-            val = evaluate(training.placed, val_loader, ctx)
+            val, better = evaluate_epoch(training, val_loader, ctx)
             record = epoch_record(epoch, train, val, training, split, train_seconds,
                                   time.perf_counter() - started - train_seconds, ctx)
-            is_best = progress.record(epoch, val["val_acc"])
+            is_best = progress.record(epoch, val[f"{'ema_' if better == 'ema' else ''}val_acc"])
             if ctx.is_main:
-                save_epoch(output_dir, checkpoint_of(training, progress, args, split, ctx), record, is_best, writer)
+                save_epoch(output_dir, checkpoint_of(training, progress, args, split, ctx, better), record, is_best,
+                           writer)
                 print(epoch_line(record, args.epochs, is_best), flush=True)
+
+
+def evaluate_epoch(training: Training, val_loader: DataLoader, ctx: DistContext) -> tuple[dict[str, float], str]:
+    """The model's validation metrics, and its weight average's (as ema_*) when there is one;
+    and which of the two, "model" or "ema", scored higher. BatchNorm statistics come from rank
+    0 first: every rank then evaluates the same weights."""
+    broadcast_buffers(training.placed.module, ctx)
+    val = evaluate(training.placed, val_loader, ctx)
+    if training.ema is None:
+        return val, "model"
+    broadcast_buffers(training.ema.module, ctx)
+    average = evaluate(dataclasses.replace(training.placed, module=training.ema.module), val_loader, ctx)
+    val.update({f"ema_{k}": v for k, v in average.items()})
+    return val, "ema" if average["val_acc"] > val["val_acc"] else "model"
 
 
 def train_or_stop(training: Training, train_loader: DataLoader, epoch: int, progress: Progress,
@@ -202,9 +219,9 @@ def train_or_stop(training: Training, train_loader: DataLoader, epoch: int, prog
 
 
 def checkpoint_of(training: Training, progress: Progress, args: argparse.Namespace, split: DataSplit,
-                  ctx: DistContext) -> dict[str, Any]:
+                  ctx: DistContext, better: str = "model") -> dict[str, Any]:
     return make_checkpoint(training.placed.module, training.optimizer, training.scaler, progress, args,
-                           split.class_names, ctx.world_size)
+                           split.class_names, ctx.world_size, training.ema.module if training.ema else None, better)
 
 
 def epoch_record(epoch: int, train: dict[str, float], val: dict[str, float], training: Training, split: DataSplit,
@@ -230,7 +247,8 @@ def epoch_line(record: dict[str, Any], epochs: int, is_best: bool) -> str:
     return (
         f"epoch {record['epoch']}/{epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "
         f"val loss {record['val_loss']:.4f} acc {record['val_acc']:.4f} ({record['val_correct']}/{record['val_total']})"
-        f" | {record['train_images_per_sec']:.1f} img/s, {record['epoch_seconds']:.1f}s "
+        + (f", average {record['ema_val_acc']:.4f}" if "ema_val_acc" in record else "")
+        + f" | {record['train_images_per_sec']:.1f} img/s, {record['epoch_seconds']:.1f}s "
         f"({100 * record['data_wait_seconds'] / record['epoch_seconds']:.0f}% waiting for data)"
         + (" *best*" if is_best else "")
     )

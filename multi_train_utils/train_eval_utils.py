@@ -4,6 +4,7 @@ multi_train_utils/run.py."""
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import math
 import time
@@ -12,9 +13,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torchvision.transforms import v2
 from tqdm import tqdm
 
-from model import convert_sync_batchnorm, set_train_mode
+from model import classifier, convert_sync_batchnorm, set_train_mode
 from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum
 from my_dataset import normalize
 from utils import TrainingDiverged
@@ -33,9 +35,18 @@ class PlacedModel:
     device: torch.device
     memory_format: torch.memory_format = torch.contiguous_format
     amp_dtype: torch.dtype | None = None  # autocast dtype in training; None: fp32
+    tta: bool = False  # evaluation averages the logits of each image and its mirror
 
     def input(self, images: torch.Tensor) -> torch.Tensor:
         return model_input(images, self.device, self.memory_format)
+
+    def eval_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits of a loader batch, the model in eval mode."""
+        x = self.input(images)
+        logits = self.module(x)
+        if self.tta:  # the horizontal flip is the one augmentation training used on every image
+            logits = (logits + self.module(x.flip(3))) / 2
+        return logits
 
 
 def model_input(images: torch.Tensor, device: torch.device, memory_format: torch.memory_format) -> torch.Tensor:
@@ -69,7 +80,7 @@ def place_model(model: nn.Module, args: argparse.Namespace, device: torch.device
     model.to(device, memory_format=memory_format)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input sizes: autotuned kernels pay off from step 2
-    return PlacedModel(model, device, memory_format, autocast_dtype(args.amp, device))
+    return PlacedModel(model, device, memory_format, autocast_dtype(args.amp, device), args.tta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +125,52 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.O
     return torch.optim.SGD(groups, lr=0.0, momentum=args.momentum, nesterov=args.momentum > 0, fused=True)
 
 
+class WeightAverage:
+    """An exponential moving average of a model's weights and BatchNorm statistics, kept in
+    fp32 (autocast leaves the parameters in fp32) on the model's device.
+
+    The decay warms up as (1 + t) / (10 + t) after t optimizer steps (TensorFlow's
+    ExponentialMovingAverage with num_updates): a fixed decay would keep remembering the random
+    initial weights long after training has left them.
+    """
+
+    def __init__(self, module: nn.Module, decay: float):
+        self.module = copy.deepcopy(module).requires_grad_(False)
+        self.decay = decay
+        mine, theirs = self.module.state_dict(), module.state_dict()
+        self.pairs = [(mine[k], theirs[k]) for k in mine]  # views of the tensors: updated in place
+
+    @torch.no_grad()
+    def update(self, steps: int) -> None:
+        """Move towards the model's current weights, `steps` optimizer steps into the run."""
+        decay = min(self.decay, (1 + steps) / (10 + steps))
+        for mine, theirs in self.pairs:
+            if mine.is_floating_point():
+                mine.lerp_(theirs, 1 - decay)
+            else:
+                mine.copy_(theirs)  # BatchNorm's num_batches_tracked
+
+
+def build_mix(args: argparse.Namespace, num_classes: int) -> Callable | None:
+    """MixUp and/or CutMix as torchvision.transforms.v2 implements them (one of the two per
+    batch when both are asked for, as torchvision's references do), or None."""
+    mixes = [mix(alpha=alpha, num_classes=num_classes)
+             for mix, alpha in ((v2.MixUp, args.mixup_alpha), (v2.CutMix, args.cutmix_alpha)) if alpha > 0]
+    if not mixes:
+        return None
+    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
+
+
+def mixed(training: Training, images: torch.Tensor, labels: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch and its targets after MixUp/CutMix, drawn from a generator seeded by the run's
+    seed and the optimizer step: a resumed or repeated run mixes the same way."""
+    if training.mix is None:
+        return images, labels
+    with torch.random.fork_rng(devices=[]):  # the draws happen on the CPU, whatever the device
+        torch.manual_seed(training.seed * 1_000_003 + step)
+        return training.mix(images, labels)
+
+
 class StoppedInEpoch(Exception):
     """Every rank stopped at the same step because one was asked to (SIGTERM)."""
 
@@ -139,12 +196,17 @@ class Training:
     schedule: Schedule
     steps_per_epoch: int
     global_batch: int  # images per optimizer step, over all processes
+    seed: int = 0
+    mix: Callable | None = None  # MixUp/CutMix of a batch: (images, labels) -> (images, soft targets)
+    clip_grad_norm: float | None = None
+    ema: WeightAverage | None = None
     stop_requested: Callable[[], bool] = never  # read every CHECK_EVERY steps; all ranks then stop
 
 
 def build_training(placed: PlacedModel, args: argparse.Namespace, ctx: DistContext, steps_per_epoch: int) -> Training:
     """Wrap a placed model for training (SyncBatchNorm, DDP, compile) and build its optimizer,
-    schedule, loss scaler and loss, as every launcher and the benchmarks train it."""
+    schedule, loss scaler, loss, batch mixing and weight average, as every launcher and the
+    benchmarks train it."""
     if args.sync_bn and ctx.distributed:
         placed = dataclasses.replace(placed, module=convert_sync_batchnorm(placed.module, ctx.device))
     model = placed.module
@@ -157,7 +219,9 @@ def build_training(placed: PlacedModel, args: argparse.Namespace, ctx: DistConte
     return Training(placed, model, build_optimizer(placed.module, args), scaler,
                     nn.CrossEntropyLoss(label_smoothing=args.label_smoothing),
                     build_schedule(args, peak_lr(args, ctx), steps_per_epoch), steps_per_epoch,
-                    args.batch_size * ctx.world_size)
+                    args.batch_size * ctx.world_size, args.seed, build_mix(args, classifier(placed.module)[1].out_features),
+                    args.clip_grad_norm,
+                    WeightAverage(placed.module, args.ema_decay) if args.ema else None)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -191,13 +255,19 @@ def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoc
         images = placed.input(images)
         labels = labels.to(device, non_blocking=True)
         set_lr(optimizer, training.schedule(steps_before + step))
+        inputs, targets = mixed(training, images, labels, steps_before + step)
         with torch.autocast(device.type, dtype=placed.amp_dtype, enabled=placed.amp_dtype is not None):
-            logits = model(images)
-            loss = training.criterion(logits, labels)
+            logits = model(inputs)
+            loss = training.criterion(logits, targets)
         scaler.scale(loss).backward()
+        if training.clip_grad_norm is not None:
+            scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
+            nn.utils.clip_grad_norm_(placed.module.parameters(), training.clip_grad_norm)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        if training.ema is not None:
+            training.ema.update(steps_before + step + 1)
 
         loss = loss.detach()
         n = labels.numel()
@@ -238,7 +308,7 @@ def predictions(placed: PlacedModel, loader: Iterable) -> Iterator[tuple[torch.T
     indices = iter(loader.sampler)  # the order the loader draws its batches in
     for images, labels in loader:
         labels = labels.to(placed.device, non_blocking=True)
-        yield placed.module(placed.input(images)), labels, [next(indices) for _ in range(len(labels))]
+        yield placed.eval_logits(images), labels, [next(indices) for _ in range(len(labels))]
 
 
 @torch.no_grad()

@@ -87,20 +87,30 @@ def test_data_paths(tmp_path):
 
 
 @pytest.mark.slow
-def test_accuracy(tmp_path):
+def test_accuracy_over_seeds_against_wall_time(tmp_path):
     out = tmp_path / "accuracy.json"
-    ok(run_cli([*BENCHMARKS, "accuracy", *TINY, "--epochs", "1", "--out", str(out),
-                "--batch-size", "8", "--seed", "3", "--runs-dir", str(tmp_path / "runs")]))
+    ok(run_cli([*BENCHMARKS, "accuracy", *TINY, "--epochs", "2", "--out", str(out), "--batch-size", "8",
+                "--seeds", "3", "4", "--variant", "--ema --tta", "--runs-dir", str(tmp_path / "runs")], timeout=300))
     data = json.loads(out.read_text())
-    assert data["settings"]["batch_size"] == 8 and data["settings"]["seed"] == 3
-    ours_config = json.loads((tmp_path / "runs" / "ours" / "config.json").read_text())
-    assert ours_config["batch_size"] == 8 and ours_config["seed"] == 3  # both recipes got them
-    assert set(data["recipes"]) == {"seed", "ours"}
+    assert data["settings"]["batch_size"] == 8 and data["settings"]["seeds"] == [3, 4]
     assert data["settings"]["train_images"] == 95 and data["settings"]["val_images"] == 25
-    for recipe in data["recipes"].values():
-        assert len(recipe["val_acc_per_epoch"]) == 1 and 0 <= recipe["final_val_acc"] <= 1
-        assert recipe["wall_seconds"] > 0 and recipe["epochs"][0]["val_total"] == 25  # the same split for both
-    assert data["points_above_seed"]["ours"] == round(
-        100 * (data["recipes"]["ours"]["final_val_acc"] - data["recipes"]["seed"]["final_val_acc"]), 2)
-    assert (tmp_path / "runs" / "ours" / "metrics.jsonl").is_file()  # ours ran through the real launcher
+    assert set(data["runs"]) == set(data["summary"]) == {"seed", "ours", "ours --ema --tta"}
+    for seed in (3, 4):
+        config = json.loads((tmp_path / "runs" / f"ours_ema_tta-seed{seed}" / "config.json").read_text())
+        assert config["batch_size"] == 8 and config["seed"] == seed and config["ema"] and config["tta"]
+        records = data["runs"]["ours --ema --tta"][str(seed)]["epochs"]
+        assert [r["val_total"] for r in records] == [25, 25]  # the same split as the seed recipe's
+        # The curve: cumulative training + evaluation seconds, the average's accuracy.
+        curve = data["runs"]["ours --ema --tta"][str(seed)]["curve"]
+        assert curve[1][0] == pytest.approx(sum(r["epoch_seconds"] + r["eval_seconds"] for r in records), abs=0.2)
+        assert [acc for _, acc in curve] == [r["ema_val_acc"] for r in records]
+    seed_runs, ours_runs = data["runs"]["seed"], data["runs"]["ours"]
+    above = [100 * (ours_runs[s]["curve"][-1][1] - seed_runs[s]["curve"][-1][1]) for s in ("3", "4")]
+    assert data["summary"]["ours"]["points_above_seed"]["mean"] == pytest.approx(sum(above) / 2)
+    shares = [next(t for t, acc in ours_runs[s]["curve"] if acc >= seed_runs[s]["curve"][-1][1])
+              / seed_runs[s]["curve"][-1][0] for s in ("3", "4")
+              if any(acc >= seed_runs[s]["curve"][-1][1] for _, acc in ours_runs[s]["curve"])]
+    reached = data["summary"]["ours"]["time_to_seed_accuracy_share"]
+    assert (reached is None and not shares) or reached["mean"] == pytest.approx(sum(shares) / len(shares))
+    assert data["summary"]["ours"]["seeds_never_reaching_seed_accuracy"] == 2 - len(shares)
     check_png(out.with_suffix(".png"))
