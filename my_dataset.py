@@ -110,6 +110,14 @@ class TrainTransforms:
         return self.built[size]
 
 
+def train_transforms(config: Mapping[str, Any]) -> TrainTransforms:
+    """Each epoch's training transform, as a run's configuration (its args, or a checkpoint's)
+    asks: the crop size of the epoch and the augmentation."""
+    sizes = SizeSchedule(config.get("min_img_size") or config["img_size"], config["img_size"],
+                         config.get("ramp_epochs", 0))
+    return TrainTransforms(sizes, Augmentation(config.get("auto_augment", "none"), config.get("random_erase", 0.0)))
+
+
 def eval_img_size(config: Mapping[str, Any]) -> int:
     """The size a run's model is evaluated at, from its configuration (args, or a checkpoint's)."""
     return config.get("val_img_size") or config["img_size"]

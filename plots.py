@@ -11,11 +11,11 @@ report.json. Without matplotlib the plots are skipped with a message and trainin
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from my_dataset import MyDataSet, build_transform
+from my_dataset import MyDataSet, train_transforms
 from utils import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -88,11 +88,13 @@ def plot_class_distribution(split: DataSplit, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def plot_augmented_samples(split: DataSplit, img_size: int, seed: int, path: Path) -> None:
-    """Training images exactly as epoch 1 fed them to the net: the (epoch, index) keys seed
-    the augmentation as the training loop does, so the picture is deterministic."""
+def plot_augmented_samples(split: DataSplit, config: Mapping[str, Any], path: Path) -> None:
+    """Training images exactly as epoch 1 fed them to the net, with the run's configuration
+    (`config`: its crop sizes, its augmentation and seed): the (epoch, index) keys seed the
+    augmentation as the training loop does, so the picture is deterministic."""
     Figure = figure_class()
-    dataset = MyDataSet(split.train, build_transform(img_size, train=True), img_size, seed)
+    transforms = train_transforms(config)
+    dataset = MyDataSet(split.train, transforms, config["img_size"], config.get("seed", 0))
     count = min(MAX_SAMPLES, len(dataset))
     # Evenly spaced through the (class-sorted) training list, so every class shows up.
     indices = [i * len(dataset) // count for i in range(count)]
@@ -106,7 +108,7 @@ def plot_augmented_samples(split: DataSplit, img_size: int, seed: int, path: Pat
         ax.set_title(split.class_names[label], fontsize=9)
     for ax in fig.axes:
         ax.axis("off")
-    fig.suptitle(f"augmented training images, epoch 1 ({img_size} px)")
+    fig.suptitle(f"augmented training images, epoch 1 ({transforms.sizes(1)} px)")
     fig.savefig(path, dpi=100)
 
 
@@ -235,7 +237,8 @@ def save_run_plots(
             where = "" if Path(missing).is_absolute() else f" (relative to {Path.cwd()})"
             log(f"training image {missing!r}{where} of {run_dir} is not there: augmented_samples.png skipped")
         elif img_size:
-            draw_into("augmented_samples.png", plot_augmented_samples, split, img_size, config.get("seed", seed))
+            draw_into("augmented_samples.png", plot_augmented_samples, split,
+                      {**config, "img_size": img_size, "seed": config.get("seed", seed)})
     return written + save_report_plots(run_dir, log, out_dir)
 
 

@@ -104,8 +104,8 @@ def build_trainer(job: Job, ctx: DistContext) -> Trainer:
     torch.manual_seed(args.seed)
     model = create_model(len(split.class_names))
     placed = place_model(model, args, ctx.device)
-    steps_per_epoch = max(1, len(split.train) // (args.batch_size * ctx.world_size))
-    training = build_training(placed, args, ctx, steps_per_epoch)
+    batches_per_epoch = max(1, len(split.train) // (args.batch_size * ctx.world_size))
+    training = build_training(placed, args, ctx, batches_per_epoch)
     return Trainer(lambda batches: train_one_epoch(training, batches, ctx, 1, 1), placed.memory_format, loader,
                    loader.sampler.set_epoch if loader else _no_epoch)
 

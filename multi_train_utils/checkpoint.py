@@ -32,8 +32,9 @@ class Progress:
 
     epoch: int = 0  # epochs completed
     best_acc: float = -1.0
-    # A run stopped inside epoch `epoch + 1` (SIGTERM): the steps each process had taken in it,
-    # and its training sums so far (loss, correct, images) over all processes.
+    # A run stopped inside epoch `epoch + 1` (SIGTERM): the batches each process had trained on
+    # in it (always whole optimizer steps), and its training sums so far (loss, correct,
+    # images) over all processes.
     steps_in_epoch: int = 0
     epoch_sums: tuple[float, float, float] = (0.0, 0.0, 0.0)
 

@@ -83,6 +83,9 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     train.add_argument("--weight-decay", type=float, default=5e-5, help="applied to weights, not to BatchNorm or biases")
     train.add_argument("--warmup-epochs", type=float, default=1.0, help="linear warm-up before the cosine decay")
     train.add_argument("--label-smoothing", type=float, default=0.1)
+    train.add_argument("--accum-steps", type=int, default=1,
+                       help="batches per optimizer step (gradient accumulation): the global batch, which --lr "
+                            "scales with, is --batch-size x processes x this")
     train.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradient to this norm")
     train.add_argument("--ema", action=BoolFlag,
                        help="keep an exponential moving average of the weights, evaluate it beside them each "
@@ -170,7 +173,7 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
     may print (the first on its machine)."""
     if not 0 < args.val_rate < 1:
         raise UserError(f"--val-rate must be between 0 and 1 (exclusive), not {args.val_rate}")
-    for name in ("epochs", "batch_size", "img_size", "val_img_size", "min_img_size"):
+    for name in ("epochs", "batch_size", "accum_steps", "img_size", "val_img_size", "min_img_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     check_recipe(args)

@@ -2,7 +2,6 @@
 training and validation loaders with their distributed samplers."""
 from __future__ import annotations
 
-import argparse
 import ctypes
 import mmap
 import os
@@ -23,15 +22,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import DistContext, ShardSampler, barrier, broadcast_object, gather_objects
 from my_dataset import (
-    Augmentation,
     EpochSampler,
     MyDataSet,
-    SizeSchedule,
-    TrainTransforms,
     build_transform,
     default_workers,
     eval_img_size,
     eval_resize,
+    train_transforms,
 )
 from utils import DataSplit, UserError, drop_unreadable, find_unreadable, load_rgb, split_samples
 
@@ -71,12 +68,6 @@ def quiet_dropped_handover(hook: Callable[..., None]) -> Callable[..., None]:
     return excepthook
 
 
-def train_transforms(args: argparse.Namespace) -> TrainTransforms:
-    """Each epoch's training transform, as the options ask: its crop size and augmentation."""
-    sizes = SizeSchedule(args.min_img_size or args.img_size, args.img_size, args.ramp_epochs)
-    return TrainTransforms(sizes, Augmentation(args.auto_augment, args.random_erase))
-
-
 def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataLoader, DataLoader]:
     args = plan.args
     workers = default_workers(ctx.device, ctx.local_world_size) if args.workers is None else args.workers
@@ -100,7 +91,7 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
         ctx.print0(f"cache: {len(cache.shapes)} images, {cache.nbytes / 2**20:.0f} MiB of shared memory, one copy "
                    f"for the {ctx.local_world_size} process(es) on this machine, filled in "
                    f"{time.perf_counter() - started:.1f}s")
-    train_set = MyDataSet(split.train, train_transforms(args), args.img_size, args.seed, cache)
+    train_set = MyDataSet(split.train, train_transforms(vars(args)), args.img_size, args.seed, cache)
     val_set = MyDataSet(split.val, build_transform(val_size, train=False), eval_resize(val_size), cache=cache)
     # Every process, the single one included, draws from a DistributedSampler: one code path.
     train_sampler = EpochSampler(

@@ -47,6 +47,7 @@ from multi_train_utils.train_eval_utils import (
     Training,
     build_training,
     evaluate,
+    global_batch,
     peak_lr,
     place_model,
     predictions,
@@ -84,12 +85,13 @@ def run(plan: Plan, ctx: DistContext) -> None:
 def announce(plan: Plan, split: DataSplit, output_dir: Path, ctx: DistContext) -> None:
     """The configuration, printed once, and what it amounts to on this many processes."""
     args = plan.args
-    global_batch = args.batch_size * ctx.world_size
+    batch = global_batch(args, ctx)
+    accumulated = f" ({args.accum_steps} batches per step)" if args.accum_steps > 1 else ""
     ctx.print0(f"config: {vars(args)}")
     ctx.print0(split_summary(split))
     ctx.print0(
-        f"{plan.launcher}: {ctx.world_size} process(es) on {ctx.device.type}, global batch {global_batch}, "
-        f"peak lr {peak_lr(args, ctx):.4g} (= {args.lr} x {global_batch}/256), output in {output_dir}"
+        f"{plan.launcher}: {ctx.world_size} process(es) on {ctx.device.type}, global batch {batch}{accumulated}, "
+        f"peak lr {peak_lr(args, ctx):.4g} (= {args.lr} x {batch}/256), output in {output_dir}"
     )
 
 
@@ -121,7 +123,8 @@ def resume(training: Training, checkpoint: dict[str, Any] | None, source: str | 
                                 training.ema.module if training.ema else None)
     message = f"resumed from {source}: {progress.epoch} epoch(s) done, best val_acc {progress.best_acc:.4f}"
     if progress.steps_in_epoch:
-        same_steps = checkpoint["world_size"] == ctx.world_size and checkpoint["args"]["batch_size"] == args.batch_size
+        same_steps = (checkpoint["world_size"] == ctx.world_size and checkpoint["args"]["batch_size"] == args.batch_size
+                      and checkpoint["args"].get("accum_steps", 1) == args.accum_steps)
         if same_steps:
             message += f"; epoch {progress.epoch + 1} goes on after step {progress.steps_in_epoch}"
         else:

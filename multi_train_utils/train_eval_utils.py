@@ -4,6 +4,7 @@ multi_train_utils/run.py."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import math
@@ -105,9 +106,14 @@ def build_schedule(args: argparse.Namespace, peak: float, steps_per_epoch: int) 
     return Schedule(peak, total, min(total - 1, round(args.warmup_epochs * steps_per_epoch)), args.lrf)
 
 
+def global_batch(args: argparse.Namespace, ctx: DistContext) -> int:
+    """Images per optimizer step: the batch of every process, times the batches accumulated."""
+    return args.batch_size * ctx.world_size * args.accum_steps
+
+
 def peak_lr(args: argparse.Namespace, ctx: DistContext) -> float:
     """The linear scaling rule: `--lr` is per 256 images of global batch."""
-    return args.lr * args.batch_size * ctx.world_size / 256
+    return args.lr * global_batch(args, ctx) / 256
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -151,23 +157,24 @@ class WeightAverage:
                 mine.copy_(theirs)  # BatchNorm's num_batches_tracked
 
 
-def build_mix(args: argparse.Namespace, num_classes: int) -> Callable | None:
+def build_mix(args: argparse.Namespace, model: nn.Module) -> Callable | None:
     """MixUp and/or CutMix as torchvision.transforms.v2 implements them (one of the two per
     batch when both are asked for, as torchvision's references do), or None."""
-    mixes = [mix(alpha=alpha, num_classes=num_classes)
-             for mix, alpha in ((v2.MixUp, args.mixup_alpha), (v2.CutMix, args.cutmix_alpha)) if alpha > 0]
-    if not mixes:
+    asked = [(mix, alpha) for mix, alpha in ((v2.MixUp, args.mixup_alpha), (v2.CutMix, args.cutmix_alpha)) if alpha > 0]
+    if not asked:
         return None
+    num_classes = classifier(model)[1].out_features
+    mixes = [mix(alpha=alpha, num_classes=num_classes) for mix, alpha in asked]
     return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
 
 
-def mixed(training: Training, images: torch.Tensor, labels: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mixed(training: Training, images: torch.Tensor, labels: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch and its targets after MixUp/CutMix, drawn from a generator seeded by the run's
-    seed and the optimizer step: a resumed or repeated run mixes the same way."""
+    seed and the batch's number in the run: a resumed or repeated run mixes the same way."""
     if training.mix is None:
         return images, labels
     with torch.random.fork_rng(devices=[]):  # the draws happen on the CPU, whatever the device
-        torch.manual_seed(training.seed * 1_000_003 + step)
+        torch.manual_seed(training.seed * 1_000_003 + batch)
         return training.mix(images, labels)
 
 
@@ -194,19 +201,21 @@ class Training:
     scaler: torch.amp.GradScaler
     criterion: nn.Module
     schedule: Schedule
-    steps_per_epoch: int
-    global_batch: int  # images per optimizer step, over all processes
+    steps_per_epoch: int  # optimizer steps
+    global_batch: int  # images per optimizer step, over all processes and accumulated batches
     seed: int = 0
     mix: Callable | None = None  # MixUp/CutMix of a batch: (images, labels) -> (images, soft targets)
     clip_grad_norm: float | None = None
     ema: WeightAverage | None = None
+    accum_steps: int = 1  # batches per optimizer step
     stop_requested: Callable[[], bool] = never  # read every CHECK_EVERY steps; all ranks then stop
 
 
-def build_training(placed: PlacedModel, args: argparse.Namespace, ctx: DistContext, steps_per_epoch: int) -> Training:
+def build_training(placed: PlacedModel, args: argparse.Namespace, ctx: DistContext,
+                   batches_per_epoch: int) -> Training:
     """Wrap a placed model for training (SyncBatchNorm, DDP, compile) and build its optimizer,
     schedule, loss scaler, loss, batch mixing and weight average, as every launcher and the
-    benchmarks train it."""
+    benchmarks train it. `batches_per_epoch`: the training loader's length in this process."""
     if args.sync_bn and ctx.distributed:
         placed = dataclasses.replace(placed, module=convert_sync_batchnorm(placed.module, ctx.device))
     model = placed.module
@@ -216,12 +225,13 @@ def build_training(placed: PlacedModel, args: argparse.Namespace, ctx: DistConte
         model = torch.compile(model)  # checkpoints and evaluation use the uncompiled placed.module
     # Loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's range.
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=placed.amp_dtype == torch.float16)
+    steps_per_epoch = math.ceil(batches_per_epoch / args.accum_steps)
     return Training(placed, model, build_optimizer(placed.module, args), scaler,
                     nn.CrossEntropyLoss(label_smoothing=args.label_smoothing),
                     build_schedule(args, peak_lr(args, ctx), steps_per_epoch), steps_per_epoch,
-                    args.batch_size * ctx.world_size, args.seed, build_mix(args, classifier(placed.module)[1].out_features),
-                    args.clip_grad_norm,
-                    WeightAverage(placed.module, args.ema_decay) if args.ema else None)
+                    global_batch(args, ctx), args.seed, build_mix(args, placed.module),
+                    args.clip_grad_norm, WeightAverage(placed.module, args.ema_decay) if args.ema else None,
+                    args.accum_steps)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -231,11 +241,12 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoch: int, epochs: int,
                     steps_done: int = 0, sums_so_far: Sequence[float] = (0.0, 0.0, 0.0)) -> dict[str, float]:
-    """One pass over this rank's shard, or its rest after `steps_done` steps that summed to
-    `sums_so_far` over all ranks. Loss and accuracy stay on the device as running sums and are
-    all-reduced once at the end; the host looks at them every CHECK_EVERY steps, which is also
-    when the ranks agree to stop (StoppedInEpoch) if one of them was asked to."""
-    model, optimizer, scaler, placed = training.model, training.optimizer, training.scaler, training.placed
+    """One pass over this rank's shard, or its rest after `steps_done` batches that summed to
+    `sums_so_far` over all ranks. Every `accum_steps` batches make one optimizer step. Loss and
+    accuracy stay on the device as running sums and are all-reduced once at the end; the host
+    looks at them every CHECK_EVERY optimizer steps, which is also when the ranks agree to stop
+    (StoppedInEpoch) if one of them was asked to."""
+    model, placed, k = training.model, training.placed, training.accum_steps
     set_train_mode(model)
     device = ctx.device
     # loss sum, correct, images; what earlier steps summed to is counted once, on rank 0
@@ -248,35 +259,34 @@ def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoc
     # Bars on rank 0 only, and only on a terminal (disable=None): logs stay free of them.
     bar = tqdm(loader, desc=f"epoch {epoch}/{epochs}", disable=None if ctx.is_main else True, leave=False,
                dynamic_ncols=True)
-    steps = steps_done + len(loader)
-    steps_before = (epoch - 1) * training.steps_per_epoch
+    steps = steps_done + len(loader)  # batches in the whole epoch
+    steps_before = (epoch - 1) * training.steps_per_epoch  # optimizer steps of the epochs before
     for step, (images, labels) in enumerate(bar, start=steps_done):
         data_wait += time.perf_counter() - asked
         images = placed.input(images)
         labels = labels.to(device, non_blocking=True)
-        set_lr(optimizer, training.schedule(steps_before + step))
-        inputs, targets = mixed(training, images, labels, steps_before + step)
-        with torch.autocast(device.type, dtype=placed.amp_dtype, enabled=placed.amp_dtype is not None):
-            logits = model(inputs)
-            loss = training.criterion(logits, targets)
-        scaler.scale(loss).backward()
-        if training.clip_grad_norm is not None:
-            scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
-            nn.utils.clip_grad_norm_(placed.module.parameters(), training.clip_grad_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        if training.ema is not None:
-            training.ema.update(steps_before + step + 1)
+        optimizer_step = steps_before + step // k
+        closes = (step + 1) % k == 0 or step + 1 == steps  # the last batch of an optimizer step
+        set_lr(training.optimizer, training.schedule(optimizer_step))
+        inputs, targets = mixed(training, images, labels, steps_before * k + step)
+        # Only the batch that closes an optimizer step all-reduces the gradients (DDP's no_sync).
+        with contextlib.nullcontext() if closes or not ctx.distributed else model.no_sync():
+            with torch.autocast(device.type, dtype=placed.amp_dtype, enabled=placed.amp_dtype is not None):
+                logits = model(inputs)
+                loss = training.criterion(logits, targets)
+            # The mean over the step's batches (the epoch's last step may have fewer than k).
+            training.scaler.scale(loss / min(k, steps - step // k * k)).backward()
+        if closes:
+            apply_gradients(training, optimizer_step + 1)
 
         loss = loss.detach()
         n = labels.numel()
         # The count is known on the host; putting it in a device tensor every step would be a copy to the GPU.
         sums[:2] += torch.stack([loss.double() * n, (logits.argmax(1) == labels).sum().double()])
         images_seen += n
-        # Remember the first non-finite step on the device; no sync here.
+        # Remember the first non-finite batch on the device; no sync here.
         first_bad = torch.where(~torch.isfinite(loss) & (first_bad == NO_BAD_STEP), step + 1, first_bad)
-        if (step + 1) % CHECK_EVERY == 0 or step + 1 == steps:
+        if closes and ((step // k + 1) % CHECK_EVERY == 0 or step + 1 == steps):
             stop = torch.tensor(-1 if training.stop_requested() else 0, device=device)
             bad, stopping = all_reduce_min(torch.stack([first_bad, stop]), ctx).tolist()  # one collective
             if bad != NO_BAD_STEP:
@@ -291,7 +301,7 @@ def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoc
                 loss_sum, correct, before = sums.tolist()
                 bar.set_postfix(loss=f"{loss_sum / (before + images_seen):.4f}",
                                 acc=f"{correct / (before + images_seen):.3f}",
-                                lr=f"{optimizer.param_groups[0]['lr']:.2e}", refresh=False)
+                                lr=f"{training.optimizer.param_groups[0]['lr']:.2e}", refresh=False)
         asked = time.perf_counter()
     bar.close()
     sums[2] += images_seen  # once per epoch
@@ -299,6 +309,20 @@ def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoc
     # train_images: what this call trained on (a resumed epoch's rest), for the images/s figure
     return {"train_loss": loss_sum / count, "train_acc": correct / count, "train_images": int(count - sums_so_far[2]),
             "data_wait_seconds": waits / ctx.world_size}
+
+
+def apply_gradients(training: Training, optimizer_steps: int) -> None:
+    """The optimizer step on the accumulated gradients (clipped when asked), then the weight
+    average's; `optimizer_steps`: how many the run has taken, this one included."""
+    optimizer, scaler = training.optimizer, training.scaler
+    if training.clip_grad_norm is not None:
+        scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
+        nn.utils.clip_grad_norm_(training.placed.module.parameters(), training.clip_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if training.ema is not None:
+        training.ema.update(optimizer_steps)
 
 
 def predictions(placed: PlacedModel, loader: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[int]]]:

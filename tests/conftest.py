@@ -5,6 +5,7 @@ Tests that start real processes (launchers, process groups, benchmarks) are mark
 `python -m pytest tests -m "not slow"` runs the rest in about a minute."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -18,11 +19,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "data" / "flower_photos_sample"
 sys.path.insert(0, str(REPO))
+
+from multi_train_utils.config import get_args_parser  # noqa: E402 -- importable from here on
+from my_dataset import MyDataSet, build_transform  # noqa: E402
+from utils import list_images  # noqa: E402
 
 # Small and fast: 32 px crops still run the whole network, and 2 CPU cores finish an epoch
 # of the 120-image sample in about a second.
@@ -206,3 +212,17 @@ def wait_until_gone(proc, marker: str) -> tuple[float, str]:
 def child_pids(pid: int) -> list[int]:
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [int(c) for c in children]
+
+
+def args_for(*argv: str) -> argparse.Namespace:
+    """The launchers' options for the bundled sample, as parsed from `argv`."""
+    return get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *argv])
+
+
+def sample_batch(count: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` real photos spread over the classes, as uint8 pixels (validation transform)."""
+    _, samples = list_images(str(SAMPLE))
+    picked = samples[:: len(samples) // count][:count]
+    dataset = MyDataSet(picked, build_transform(size, train=False), size)
+    images, labels = zip(*(dataset[i] for i in range(count)))
+    return torch.stack(images), torch.tensor(labels)

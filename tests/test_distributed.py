@@ -200,8 +200,12 @@ def test_cpu_sync_batchnorm_matches_batchnorm_under_autocast(dtype):
 def test_resume_equals_an_uninterrupted_run_and_the_seed_repeats_it(tmp_path):
     """Run A trains 4 epochs. Run B is the same command, stopped with Ctrl-C after its first
     checkpoint and resumed with --resume auto. B's losses equal A's in every epoch: before the
-    stop because the seed repeats the run, after it because resuming is exact."""
-    common = ["--epochs", "4", "--workers", "1", "--img-size", "48"]
+    stop because the seed repeats the run, after it because resuming is exact. The command uses
+    every option of the recipe that has state or randomness of its own."""
+    recipe = ["--ema", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--auto-augment", "ta_wide",
+              "--random-erase", "0.25", "--min-img-size", "32", "--ramp-epochs", "3", "--clip-grad-norm", "2",
+              "--accum-steps", "2", "--val-img-size", "56", "--tta"]
+    common = ["--epochs", "4", "--workers", "1", "--img-size", "48", *recipe]
     ok(train("single", tmp_path / "a", *common))
 
     b = tmp_path / "b"
@@ -223,7 +227,7 @@ def test_resume_equals_an_uninterrupted_run_and_the_seed_repeats_it(tmp_path):
     a_records, b_records = metrics(tmp_path / "a"), metrics(b)
     assert [r["epoch"] for r in b_records] == [1, 2, 3, 4]
     for ra, rb in zip(a_records, b_records):
-        for key in ("train_loss", "val_loss", "val_acc", "lr"):
+        for key in ("train_loss", "val_loss", "val_acc", "lr", "ema_val_loss", "ema_val_acc"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["epoch"], key)
 
 

@@ -72,7 +72,7 @@ def test_sync_bn_becomes_torch_syncbatchnorm_and_trains():
     try:
         args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *ON_GPU, "--sync-bn", "--epochs", "1"])
         ctx = DistContext(0, 0, 1, 1, CUDA, distributed=True)
-        training = build_training(place_model(create_model(5), args, CUDA), args, ctx, steps_per_epoch=2)
+        training = build_training(place_model(create_model(5), args, CUDA), args, ctx, batches_per_epoch=2)
         assert any(isinstance(m, torch.nn.SyncBatchNorm) for m in training.placed.module.modules())
         batch = (torch.randint(0, 256, (16, 3, 64, 64), dtype=torch.uint8), torch.randint(0, 5, (16,)))
         result = train_one_epoch(training, [batch, batch], ctx, 1, 1)

@@ -69,7 +69,7 @@ def test_stopping_inside_an_epoch_and_going_on_equals_the_whole_epoch(monkeypatc
     def fresh(stop_after_checks: int | None):
         torch.manual_seed(0)
         training = build_training(place_model(create_model(5), args, torch.device("cpu")), args, DistContext.single(),
-                                  steps_per_epoch=len(batches))
+                                  batches_per_epoch=len(batches))
         checks = iter(range(10**6))
         stop = (lambda: next(checks) >= stop_after_checks) if stop_after_checks is not None else (lambda: False)
         return dataclasses.replace(training, stop_requested=stop)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, SAMPLE, call_main
+from conftest import FAST, SAMPLE, args_for, call_main, sample_batch
 
 import train_single_gpu
 from model import create_model, freeze_backbone
@@ -19,23 +19,8 @@ from multi_train_utils.train_eval_utils import (
     place_model,
     train_one_epoch,
 )
-from my_dataset import MyDataSet, build_transform
-from utils import list_images
 
 CPU = torch.device("cpu")
-
-
-def args_for(*argv: str):
-    return get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *argv])
-
-
-def sample_batch(count: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """`count` real photos spread over the classes, as uint8 pixels (validation transform)."""
-    _, samples = list_images(str(SAMPLE))
-    picked = samples[:: len(samples) // count][:count]
-    dataset = MyDataSet(picked, build_transform(size, train=False), size)
-    images, labels = zip(*(dataset[i] for i in range(count)))
-    return torch.stack(images), torch.tensor(labels)
 
 
 def saved_weights(tmp_path, name: str, state: dict) -> str:
@@ -79,7 +64,7 @@ def test_frozen_backbone_keeps_its_batchnorm_statistics():
     freeze_backbone(model)
     placed = place_model(model, args_for("--freeze-layers", "--amp", "off"), CPU)
     training = build_training(placed, args_for("--freeze-layers", "--amp", "off", "--epochs", "1"),
-                              DistContext.single(), steps_per_epoch=2)
+                              DistContext.single(), batches_per_epoch=2)
     assert [n for n, p in model.named_parameters() if p.requires_grad] == ["fc.weight", "fc.bias"]
     stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
     frozen = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("fc.")}
@@ -100,7 +85,7 @@ def test_amp_choices_train_in_that_precision(choice, expected):
     args = args_for("--amp", choice, "--epochs", "1")
     torch.manual_seed(0)
     placed = place_model(create_model(5), args, CPU)
-    training = build_training(placed, args, DistContext.single(), steps_per_epoch=1)
+    training = build_training(placed, args, DistContext.single(), batches_per_epoch=1)
     assert placed.amp_dtype == expected and training.scaler.is_enabled() == (choice == "fp16")
     result = train_one_epoch(training, [sample_batch(4)], DistContext.single(), epoch=1, epochs=1)
     assert torch.isfinite(torch.tensor(result["train_loss"]))
@@ -138,7 +123,7 @@ def test_it_learns():
     args = args_for("--epochs", "1", "--lr", "0.1", "--warmup-epochs", "0", "--lrf", "1", "--amp", "off")
     torch.manual_seed(0)
     placed = place_model(create_model(5), args, CPU)
-    training = build_training(placed, args, DistContext.single(), steps_per_epoch=1)
+    training = build_training(placed, args, DistContext.single(), batches_per_epoch=1)
     batch = sample_batch(8)
     losses = [train_one_epoch(training, [batch], DistContext.single(), epoch=1, epochs=1)["train_loss"]
               for _ in range(10)]

@@ -1,0 +1,215 @@
+"""The training recipe's options: the model by name, the weight average, augmentation and
+batch mixing, gradient clipping, progressive resizing, the evaluation size and mirror averaging."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import SAMPLE, args_for, metrics, ok, run_cli, sample_batch, train, user_error
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torchvision.transforms import v2
+
+import predict
+import train_single_gpu
+from model import classifier, create_model, freeze_backbone
+from multi_train_utils.checkpoint import load_checkpoint, model_from_checkpoint
+from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.train_eval_utils import (
+    PlacedModel,
+    WeightAverage,
+    build_training,
+    mixed,
+    place_model,
+    train_one_epoch,
+)
+from my_dataset import Augmentation, MyDataSet, SizeSchedule, build_transform, eval_img_size, train_transforms
+from utils import list_images
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "resnet-34"], "--model 'resnet-34' is not a torchvision classification model"),
+    (["--min-img-size", "64", "--img-size", "32"], "--min-img-size 64 is above --img-size 32"),
+    (["--min-img-size", "16", "--img-size", "32"], "--min-img-size needs --ramp-epochs 2 or more"),
+    (["--val-img-size", "0"], "--val-img-size must be at least 1"),
+    (["--random-erase", "1.5"], "--random-erase is a probability"),
+    (["--mixup-alpha", "-1"], "--mixup-alpha and --cutmix-alpha cannot be negative"),
+    (["--ema-decay", "1"], "--ema-decay must be between 0 and 1"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm must be positive"),
+])
+def test_recipe_mistakes_are_one_clear_error(argv, message, tmp_path, capsys):
+    line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path), *argv], capsys)
+    assert message in line
+
+
+def test_progressive_sizes_ramp_in_multiples_of_16_then_hold():
+    sizes = [SizeSchedule(64, 128, 15)(epoch) for epoch in range(1, 21)]
+    assert sizes[0] == 64 and sizes[14:] == [128] * 6
+    assert sizes == sorted(sizes) and all(s % 16 == 0 for s in sizes) and len(set(sizes)) == 5
+    assert [SizeSchedule(128, 128, 0)(e) for e in (1, 20)] == [128, 128]  # no ramp: the full size throughout
+
+
+def test_each_epoch_trains_at_its_size_with_the_asked_augmentation():
+    args = args_for("--img-size", "64", "--min-img-size", "32", "--ramp-epochs", "3", "--auto-augment", "ta_wide",
+                    "--random-erase", "0.5")
+    transforms = train_transforms(vars(args))
+    _, samples = list_images(str(SAMPLE))
+    dataset = MyDataSet(samples[:3], transforms, 64, seed=1)
+    assert [dataset[(epoch, 0)][0].shape[-1] for epoch in (1, 2, 3, 9)] == [32, 48, 64, 64]
+    steps = [type(t) for t in transforms(1).transforms]
+    assert v2.TrivialAugmentWide in steps and v2.RandomErasing in steps
+    image = dataset[(2, 1)][0]
+    assert image.dtype == torch.uint8 and torch.equal(image, dataset[(2, 1)][0])  # seeded per (epoch, index)
+
+
+@pytest.mark.parametrize("policy", ["ra", "augmix"])
+def test_the_other_policies_run_on_uint8_pixels(policy):
+    transform = build_transform(32, train=True, augmentation=Augmentation(policy))
+    assert transform(sample_batch(1, 48)[0][0]).shape == (3, 32, 32)
+
+
+def test_mixing_is_torchvisions_and_repeats_with_the_batch():
+    training = build_training(place_model(create_model(5), args_for("--mixup-alpha", "0.4", "--cutmix-alpha", "1.0"),
+                                          CPU), args_for("--mixup-alpha", "0.4", "--cutmix-alpha", "1.0"),
+                              DistContext.single(), batches_per_epoch=1)
+    assert isinstance(training.mix, v2.RandomChoice)
+    images, labels = sample_batch(4)
+    images = images.float()
+    a, targets = mixed(training, images, labels, batch=7)
+    b, again = mixed(training, images, labels, batch=7)
+    assert torch.equal(a, b) and torch.equal(targets, again)
+    assert targets.shape == (4, 5) and torch.allclose(targets.sum(1), torch.ones(4))
+    assert not torch.equal(a, images)  # the batch was mixed
+    assert any(not torch.equal(mixed(training, images, labels, batch)[0], a) for batch in range(8, 12))
+
+
+def test_clipping_bounds_the_first_step():
+    """SGD's first step with Nesterov momentum m moves the weights by lr * (1 + m) * gradient:
+    with the gradient clipped to norm c the step's norm is lr * (1 + m) * c exactly."""
+    torch.manual_seed(0)
+    before = [p.detach().clone() for p in create_model(5).parameters()]  # what one_step starts from
+    training = one_step(["--clip-grad-norm", "0.01"], [sample_batch(4)])
+    moved = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.detach() - b)
+                                                  for p, b in zip(training.placed.module.parameters(), before)]))
+    assert moved.item() == pytest.approx(training.schedule(0) * 1.9 * 0.01, rel=1e-3)
+
+
+def test_the_weight_average_follows_its_warmed_up_decay():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    average = WeightAverage(model, decay=0.5)
+    start = model[0].weight.detach().clone()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+        model[1].num_batches_tracked.fill_(7)
+    average.update(steps=1)  # warm-up: decay min(0.5, 2/11)
+    assert torch.allclose(average.module[0].weight, start + (1 - 2 / 11))
+    assert average.module[1].num_batches_tracked.item() == 7
+    average.update(steps=100)  # decay 0.5 from here
+    assert torch.allclose(average.module[0].weight, start + 1 - 0.5 * (2 / 11))
+    assert not average.module[0].weight.requires_grad
+
+
+def test_mirror_averaging_is_the_mean_of_both_logits():
+    torch.manual_seed(0)
+    model = create_model(5).eval()
+    images, _ = sample_batch(2)
+    placed = PlacedModel(model, CPU, tta=True)
+    with torch.no_grad():
+        x = placed.input(images)
+        assert torch.allclose(placed.eval_logits(images), (model(x) + model(x.flip(3))) / 2)
+        assert not torch.allclose(dataclasses.replace(placed, tta=False).eval_logits(images), placed.eval_logits(images))
+
+
+def test_any_torchvision_model_by_name_with_its_head_from_the_folders():
+    model = create_model(5, "mobilenet_v3_small")
+    name, head = classifier(model)
+    assert (name, head.out_features) == ("classifier.3", 5)
+    freeze_backbone(model)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {"classifier.3.weight", "classifier.3.bias"}
+    assert classifier(create_model(5))[0] == "fc"
+
+
+@pytest.mark.slow
+def test_a_run_with_another_model_an_average_and_mirror_evaluation(tmp_path):
+    """resnet18 with --ema: the checkpoint names the model and holds both weight sets; best.pth
+    says which one scored better and holds it; predict.py and --eval-only rebuild that model."""
+    out = tmp_path / "run"
+    recipe = ["--model", "resnet18", "--ema", "--ema-decay", "0.9", "--tta", "--val-img-size", "40"]
+    result = ok(train("single", out, "--epochs", "2", *recipe))
+    ckpt = load_checkpoint(out / "best.pth")
+    assert ckpt["args"]["model"] == "resnet18" and ckpt["better"] in ("model", "ema")
+    assert not torch.equal(ckpt["ema"]["conv1.weight"], ckpt["model"]["conv1.weight"])
+    records = metrics(out)
+    best = max(records, key=lambda r: max(r["val_acc"], r["ema_val_acc"]))
+    assert ckpt["epoch"] == best["epoch"]
+    assert ckpt["better"] == ("ema" if best["ema_val_acc"] > best["val_acc"] else "model")
+    assert f"(epoch {ckpt['epoch']}{' weight average' if ckpt['better'] == 'ema' else ''})" in result.stdout
+    assert sum(p.numel() for p in model_from_checkpoint(ckpt).parameters()) < 12_000_000  # resnet18, not 34
+    # --eval-only gives the count the run logged for the weights best.pth ships
+    shipped = f"{'ema_' if ckpt['better'] == 'ema' else ''}val_correct"
+    ok(train("single", tmp_path / "eval", "--eval-only", "--resume", str(out / "best.pth"), *recipe))
+    assert json.loads((tmp_path / "eval" / "eval.json").read_text())["val_correct"] == best[shipped]
+    assert eval_img_size(ckpt["args"]) == 40 and predict.load_classifier(str(out / "best.pth"), CPU).img_size == 40
+    lines = ok(run_cli([sys.executable, "predict.py", "--checkpoint", str(out / "best.pth"),
+                        str(SAMPLE / "roses")])).stdout.splitlines()
+    assert len([line for line in lines if "roses" in line]) >= 20
+    mismatch = train("single", tmp_path / "other", "--resume", str(out / "last.pth"), "--epochs", "3")
+    assert mismatch.returncode == 2 and "holds a resnet18, not the --model resnet34" in mismatch.stderr
+
+
+
+def one_step(argv: list[str], batches: list, ctx: DistContext = DistContext.single()):
+    """A fresh, seeded model trained on `batches` (one epoch) with the options in `argv`."""
+    args = args_for("--amp", "off", "--warmup-epochs", "0", "--weight-decay", "0", *argv)
+    torch.manual_seed(0)
+    model = create_model(5)
+    if args.freeze_layers:
+        freeze_backbone(model)
+    training = build_training(place_model(model, args, CPU), args, ctx, batches_per_epoch=len(batches))
+    train_one_epoch(training, batches, ctx, 1, 1)
+    return training
+
+
+def test_accumulating_two_batches_of_4_is_one_batch_of_8():
+    """Only the head trains (--freeze-layers keeps BatchNorm in eval mode, so a batch's
+    statistics do not depend on how it is split): one optimizer step over 2 x 4 images moves
+    the weights as one step over the same 8 images does, at the learning rate of a batch of 8."""
+    images, labels = sample_batch(8)
+    whole = one_step(["--freeze-layers", "--batch-size", "8"], [(images, labels)])
+    halves = one_step(["--freeze-layers", "--batch-size", "4", "--accum-steps", "2"],
+                      [(images[:4], labels[:4]), (images[4:], labels[4:])])
+    assert halves.steps_per_epoch == whole.steps_per_epoch == 1 and halves.global_batch == 8
+    assert halves.schedule(0) == whole.schedule(0)
+    torch.testing.assert_close(halves.placed.module.fc.weight, whole.placed.module.fc.weight, rtol=1e-5, atol=1e-7)
+    apart = one_step(["--freeze-layers", "--batch-size", "4"], [(images[:4], labels[:4]), (images[4:], labels[4:])])
+    assert not torch.allclose(apart.placed.module.fc.weight, whole.placed.module.fc.weight, atol=1e-6)
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step():
+    """In a real (one-rank, gloo) process group: DDP's gradient hook runs for the batch that
+    closes an optimizer step, not for the ones before it (no_sync)."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        ctx = DistContext(0, 0, 1, 1, CPU, distributed=True)
+        counts = {}
+        for k in (1, 2):
+            args = args_for("--amp", "off", "--batch-size", "2", "--accum-steps", str(k))
+            training = build_training(place_model(create_model(5), args, CPU), args, ctx, batches_per_epoch=4)
+            calls = []
+
+            def hook(state, bucket):
+                calls.append(bucket.index())
+                return default_hooks.allreduce_hook(state, bucket)
+
+            training.model.register_comm_hook(None, hook)
+            images, labels = sample_batch(8)
+            train_one_epoch(training, [(images[i:i + 2], labels[i:i + 2]) for i in range(0, 8, 2)], ctx, 1, 1)
+            counts[k] = calls.count(0)  # bucket 0 is all-reduced once per synchronised backward
+        assert counts == {1: 4, 2: 2}
+    finally:
+        dist.destroy_process_group()
