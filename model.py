@@ -32,11 +32,15 @@ def model_names() -> list[str]:
     return torchvision.models.list_models(module=torchvision.models)
 
 
-def create_model(num_classes: int, name: str = DEFAULT_MODEL) -> nn.Module:
-    """A torchvision classification model by name, randomly initialised, with `num_classes` outputs."""
+def check_model_name(name: str) -> None:
     if name not in model_names():
         raise UserError(f"--model {name!r} is not a torchvision classification model; "
                         f"these are: {', '.join(model_names())}")
+
+
+def create_model(num_classes: int, name: str = DEFAULT_MODEL) -> nn.Module:
+    """A torchvision classification model by name, randomly initialised, with `num_classes` outputs."""
+    check_model_name(name)
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from multi_train_utils.checkpoint import load_checkpoint, read_state_dict
 from multi_train_utils.distributed_utils import parse_device, parse_dist_url
-from model import DEFAULT_MODEL, model_names
+from model import DEFAULT_MODEL, check_model_name
 from my_dataset import AUTO_AUGMENT
 from utils import DataSplit, Sample, UserError, download_flower_photos, list_images
 
@@ -177,9 +177,7 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     check_recipe(args)
-    if args.model not in model_names():
-        raise UserError(f"--model {args.model!r} is not a torchvision classification model; "
-                        f"these are: {', '.join(model_names())}")
+    check_model_name(args.model)
     if args.workers is not None and args.workers < 0:
         raise UserError("--workers cannot be negative")
     if args.num_classes is not None and args.num_classes < 2:

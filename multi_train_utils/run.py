@@ -183,7 +183,7 @@ def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataL
             val, better = evaluate_epoch(training, val_loader, ctx)
             record = epoch_record(epoch, train, val, training, split, train_seconds,
                                   time.perf_counter() - started - train_seconds, ctx)
-            is_best = progress.record(epoch, val[f"{'ema_' if better == 'ema' else ''}val_acc"])
+            is_best = progress.record(epoch, max(val["val_acc"], val.get("ema_val_acc", 0.0)))  # the better one's
             if ctx.is_main:
                 save_epoch(output_dir, checkpoint_of(training, progress, args, split, ctx, better), record, is_best,
                            writer)

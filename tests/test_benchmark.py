@@ -103,30 +103,23 @@ def test_time_to_accuracy_counts_training_and_evaluation_and_judges_the_average(
 
 
 @pytest.mark.slow
-def test_accuracy_over_seeds_against_wall_time(tmp_path):
+def test_accuracy_against_wall_time(tmp_path):
+    """The real experiment, tiny: the seed recipe in-process, ours and a variant through the
+    launcher, on one split. (The arithmetic over seeds is the test above.)"""
     out = tmp_path / "accuracy.json"
     ok(run_cli([*BENCHMARKS, "accuracy", *TINY, "--epochs", "1", "--out", str(out), "--batch-size", "8",
-                "--seeds", "3", "4", "--variant", "--ema --tta", "--runs-dir", str(tmp_path / "runs")], timeout=300))
+                "--seeds", "3", "--variant", "--ema --tta", "--runs-dir", str(tmp_path / "runs")], timeout=300))
     data = json.loads(out.read_text())
-    assert data["settings"]["batch_size"] == 8 and data["settings"]["seeds"] == [3, 4]
+    assert data["settings"]["batch_size"] == 8 and data["settings"]["seeds"] == [3]
     assert data["settings"]["train_images"] == 95 and data["settings"]["val_images"] == 25
     assert set(data["runs"]) == set(data["summary"]) == {"seed", "ours", "ours --ema --tta"}
-    for seed in (3, 4):
-        config = json.loads((tmp_path / "runs" / f"ours_ema_tta-seed{seed}" / "config.json").read_text())
-        assert config["batch_size"] == 8 and config["seed"] == seed and config["ema"] and config["tta"]
-        records = data["runs"]["ours --ema --tta"][str(seed)]["epochs"]
-        assert [r["val_total"] for r in records] == [25]  # the same split as the seed recipe's
-        # The curve: cumulative training + evaluation seconds, the average's accuracy.
-        curve = data["runs"]["ours --ema --tta"][str(seed)]["curve"]
-        assert curve[-1][0] == pytest.approx(sum(r["epoch_seconds"] + r["eval_seconds"] for r in records), abs=0.2)
-        assert [acc for _, acc in curve] == [r["ema_val_acc"] for r in records]
-    seed_runs, ours_runs = data["runs"]["seed"], data["runs"]["ours"]
-    above = [100 * (ours_runs[s]["curve"][-1][1] - seed_runs[s]["curve"][-1][1]) for s in ("3", "4")]
-    assert data["summary"]["ours"]["points_above_seed"]["mean"] == pytest.approx(sum(above) / 2)
-    shares = [next(t for t, acc in ours_runs[s]["curve"] if acc >= seed_runs[s]["curve"][-1][1])
-              / seed_runs[s]["curve"][-1][0] for s in ("3", "4")
-              if any(acc >= seed_runs[s]["curve"][-1][1] for _, acc in ours_runs[s]["curve"])]
-    reached = data["summary"]["ours"]["time_to_seed_accuracy_share"]
-    assert (reached is None and not shares) or reached["mean"] == pytest.approx(sum(shares) / len(shares))
-    assert data["summary"]["ours"]["seeds_never_reaching_seed_accuracy"] == 2 - len(shares)
+    config = json.loads((tmp_path / "runs" / "ours_ema_tta-seed3" / "config.json").read_text())
+    assert config["batch_size"] == 8 and config["seed"] == 3 and config["ema"] and config["tta"]
+    records = data["runs"]["ours --ema --tta"]["3"]["epochs"]
+    assert [r["val_total"] for r in records] == [25]  # the same split as the seed recipe's
+    # The curve: training + evaluation seconds, the average's accuracy.
+    curve = data["runs"]["ours --ema --tta"]["3"]["curve"]
+    assert curve == [[round(records[0]["epoch_seconds"] + records[0]["eval_seconds"], 1), records[0]["ema_val_acc"]]]
+    seed_final, ours_final = data["runs"]["seed"]["3"]["curve"][-1][1], data["runs"]["ours"]["3"]["curve"][-1][1]
+    assert data["summary"]["ours"]["points_above_seed"]["mean"] == pytest.approx(100 * (ours_final - seed_final))
     check_png(out.with_suffix(".png"))
