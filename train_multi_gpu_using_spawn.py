@@ -28,7 +28,7 @@ from multi_train_utils.distributed_utils import (
     teardown,
 )
 from multi_train_utils.run import run
-from utils import UserError, exit_on_error, stderr_line
+from utils import ProjectError, UserError, exit_on_error, stderr_line
 
 
 def worker(rank: int, plan: Plan, world_size: int, store_address: tuple[str, int]) -> None:
@@ -37,6 +37,13 @@ def worker(rank: int, plan: Plan, world_size: int, store_address: tuple[str, int
             ctx = setup_process_group(rank, rank, world_size, world_size, plan.args.device, plan.args.backend,
                                       plan.args.dist_timeout, store_address)
             run(plan, ctx)
+        except ProjectError:
+            raise
+        except Exception as e:
+            # mp.spawn shows the traceback of one failed process, the first it notices: often a
+            # rank that only lost its peer. Each rank's own line keeps the first cause on screen.
+            stderr_line(f"rank {rank}: {type(e).__name__}: {e}")
+            raise
         finally:
             teardown()
 
