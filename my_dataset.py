@@ -1,5 +1,6 @@
-"""The image dataset, its uint8 transforms, the normalisation done on the device, and the
-sampler that makes augmentation reproducible. Knows nothing of processes or launchers."""
+"""The image dataset, its uint8 transforms, the normalisation done on the device, the crop
+done on the device for the whole batch (--device-augment), and the sampler that makes
+augmentation reproducible. Knows nothing of processes or launchers."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,16 +10,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 from torchvision.io import ImageReadMode, decode_jpeg, read_file
-from torchvision.transforms import v2
+from torchvision.transforms import RandomResizedCrop, v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from utils import Sample, cpu_count, load_rgb
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# The random resized crop's range of area and aspect ratio (torchvision's defaults), shared by
+# the loader's transform and the draws of --device-augment, which must cut the same boxes.
+CROP_SCALE = (0.08, 1.0)
+CROP_RATIO = (3 / 4, 4 / 3)
 
 
 def eval_resize(img_size: int) -> int:
@@ -65,7 +71,8 @@ def build_transform(img_size: int, train: bool, augmentation: Augmentation = Aug
     if not train:
         geometry = [v2.Resize(eval_resize(img_size), antialias=True), v2.CenterCrop(img_size)]
         return v2.Compose([v2.PILToTensor(), *geometry])  # PILToTensor: PIL input only, tensors pass through
-    steps = [v2.PILToTensor(), v2.RandomResizedCrop(img_size, antialias=True), v2.RandomHorizontalFlip()]
+    steps = [v2.PILToTensor(), v2.RandomResizedCrop(img_size, CROP_SCALE, CROP_RATIO, antialias=True),
+             v2.RandomHorizontalFlip()]
     policy = AUTO_AUGMENT[augmentation.auto_augment]
     if policy is not None:
         steps.append(policy())
@@ -133,7 +140,8 @@ def _normalize_affine(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
 
 def normalize(images: torch.Tensor) -> torch.Tensor:
     """A uint8 batch (N, 3, H, W) as the model takes it: float32, (x / 255 - mean) / std with
-    ImageNet's mean and std, on the batch's device and in its memory format."""
+    ImageNet's mean and std, on the batch's device and in its memory format. A float32 batch
+    of 0-255 values is normalised in place."""
     scale, shift = _normalize_affine(images.device)
     return images.float().mul_(scale).add_(shift)
 
@@ -207,8 +215,75 @@ class MyDataSet(Dataset):
         if epoch is None:
             return transform(img), label
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((self.seed * 1_000_003 + epoch) * 1_000_003 + index)
+            torch.manual_seed(image_seed(self.seed, epoch, index))
             return transform(img), label
+
+
+def image_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one image's augmentation in one epoch."""
+    return (seed * 1_000_003 + epoch) * 1_000_003 + index
+
+
+class CropDraws(Dataset):
+    """The random part of the training transform alone, for --device-augment: per (epoch,
+    index) key, the crop box and flip that MyDataSet's transform draws for that image (the same
+    seed, the same calls in the same order), in the frame `shapes[index]` = (height, width) of
+    the picture, as the row [index, top, left, height, width, flip]; and the label. Drawing is
+    all a loader worker does here: the pixels wait on the device, in `DeviceCrops`."""
+
+    def __init__(self, samples: Sequence[Sample], shapes: Sequence[tuple[int, int]], seed: int = 0):
+        self.labels = [label for _, label in samples]
+        self.shapes = list(shapes)
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index = key
+        frame = torch.empty(0, *self.shapes[index])  # only its size is read
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(image_seed(self.seed, epoch, index))
+            top, left, height, width = RandomResizedCrop.get_params(frame, list(CROP_SCALE), list(CROP_RATIO))
+            flip = torch.rand(1).item() < 0.5  # v2.RandomHorizontalFlip's draw: flip when below p
+        return torch.tensor([index, top, left, height, width, int(flip)]), self.labels[index]
+
+
+class DeviceCrops:
+    """The training images, decoded once, on the training device: `pixels` (N, 3, S, S) uint8,
+    each picture resized to the square whatever its shape, and `frames` (N, 2), the (height,
+    width) its crop boxes are drawn in. A batch of draws becomes a batch of crops in one
+    affine_grid/grid_sample call, every image with its own box and flip.
+
+    The square stretches a picture; a box is taken as a fraction of the picture's height and
+    width, which the stretch keeps, so the crop shows what the loader's crop shows. It differs
+    in resampling only: bilinear from S px (the loader resizes with antialiasing from the
+    picture itself), and floats not rounded to bytes.
+    """
+
+    def __init__(self, pixels: torch.Tensor, frames: torch.Tensor):
+        self.pixels = pixels
+        self.frames = frames.to(pixels.device)
+
+    def __call__(self, draws: torch.Tensor, size: int) -> torch.Tensor:
+        """Normalised float images (B, 3, size, size) for rows of CropDraws, on the pixels' device."""
+        draws = draws.to(self.pixels.device, non_blocking=True)
+        index = draws[:, 0]
+        top, left, height, width, flip = draws[:, 1:].float().unbind(1)
+        frame_h, frame_w = self.frames[index].float().unbind(1)
+        # Output x in [-1, 1] (grid_sample's align_corners=False, pixel centres) maps to the box's
+        # span of the picture in the same convention: x * width/W + (2 left + width)/W - 1.
+        scale_x = torch.where(flip.bool(), -width, width) / frame_w
+        zeros = torch.zeros_like(scale_x)
+        theta = torch.stack([
+            torch.stack([scale_x, zeros, (2 * left + width) / frame_w - 1], 1),
+            torch.stack([zeros, height / frame_h, (2 * top + height) / frame_h - 1], 1),
+        ], 1)
+        grid = F.affine_grid(theta, [len(draws), 3, size, size], align_corners=False)
+        # "border": a box on the picture's edge samples the edge pixels, as the loader's crop does.
+        crops = F.grid_sample(self.pixels[index].float(), grid, mode="bilinear", padding_mode="border",
+                              align_corners=False)
+        return normalize(crops)
 
 
 class EpochSampler(Sampler[tuple[int, int]]):

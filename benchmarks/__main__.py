@@ -1,4 +1,4 @@
-"""`python -m benchmarks {throughput,data,accuracy}`: the command line of the three experiments."""
+"""`python -m benchmarks {throughput,data,accuracy,endtoend}`: the command line of the experiments."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,7 @@ import argparse
 import benchmarks
 from benchmarks.accuracy import accuracy
 from benchmarks.data import data_paths
+from benchmarks.endtoend import endtoend
 from benchmarks.ours_recipe import CONFIGS
 from benchmarks.throughput import throughput
 from multi_train_utils.config import BoolFlag
@@ -63,13 +64,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also train ours with these extra options, e.g. --variant '--lr 0.2' (repeatable)")
     a.add_argument("--skip-seed", action="store_true", help="train only ours and its variants")
     a.add_argument("--runs-dir", default=None, help="where ours' run folders go (default: runs/benchmark-accuracy-TIME)")
+
+    e = sub.add_parser("endtoend", help="wall clock of whole training commands on a folder of a given size")
+    common(e, "docs/benchmark/endtoend.json", 224)
+    e.add_argument("--images", type=int, default=3670,
+                   help="pictures in the folder trained on, made of hard links to --data-path's (flower_photos has 3670)")
+    e.add_argument("--epochs", type=int, default=10)
+    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--repeats", type=int, default=3)
+    e.add_argument("--variant", action="append", default=[], metavar="OPTIONS",
+                   help="time train_single_gpu.py with these options (repeatable; they override the ones above), "
+                        "e.g. --variant '' --variant '--compile --batch-size 256' (default: one run of the defaults)")
     return parser
 
 
 def main() -> None:
     args = build_parser().parse_args()
     with exit_on_error():
-        {"throughput": throughput, "data": data_paths, "accuracy": accuracy}[args.command](args)
+        {"throughput": throughput, "data": data_paths, "accuracy": accuracy, "endtoend": endtoend}[args.command](args)
 
 
 if __name__ == "__main__":

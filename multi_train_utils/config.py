@@ -120,6 +120,11 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     speed.add_argument("--channels-last", action=BoolFlag, default=True,
                        help="NHWC memory layout, which the convolution kernels of GPUs and CPUs prefer")
     speed.add_argument("--compile", action=BoolFlag, help="torch.compile the model (pays off only on long runs)")
+    speed.add_argument("--device-augment", action=BoolFlag,
+                       help="decode the training images once into the device's memory (img/0.875 px squares) and "
+                            "crop, resize and flip each batch there in one call, so the loader workers only draw "
+                            "the crops: for a GPU the CPUs cannot feed. Crop and flip only (not with "
+                            "--auto-augment or --random-erase)")
 
     run = p.add_argument_group("run")
     run.add_argument("--device", default=None,
@@ -212,6 +217,9 @@ def check_recipe(args: argparse.Namespace) -> None:
         raise UserError(f"--ema-decay must be between 0 and 1 (exclusive), not {args.ema_decay}")
     if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
         raise UserError("--clip-grad-norm must be positive")
+    if args.device_augment and (args.auto_augment != "none" or args.random_erase > 0):
+        raise UserError("--device-augment crops and flips on the device; --auto-augment and --random-erase run in "
+                        "the loader workers: choose one or the other")
 
 
 def _quiet(_: str) -> None:

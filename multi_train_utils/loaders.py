@@ -1,5 +1,6 @@
-"""How each process gets its data: the readable split, the shared-memory image cache, and the
-training and validation loaders with their distributed samplers."""
+"""How each process gets its data: the readable split, the shared-memory image cache, the
+training images on the device (--device-augment), and the training and validation loaders with
+their distributed samplers."""
 from __future__ import annotations
 
 import ctypes
@@ -10,7 +11,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,13 +19,26 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler
+from torchvision.transforms.v2.functional import resize
 
 from multi_train_utils.config import Plan
-from multi_train_utils.distributed_utils import DistContext, ShardSampler, barrier, broadcast_object, gather_objects
+from multi_train_utils.distributed_utils import (
+    DistContext,
+    ShardSampler,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    gather_objects,
+)
 from my_dataset import (
+    CropDraws,
+    DeviceCrops,
     EpochSampler,
     MyDataSet,
+    PixelCache,
+    SizeSchedule,
     build_transform,
+    decode,
     default_workers,
     eval_img_size,
     eval_resize,
@@ -68,8 +82,10 @@ def quiet_dropped_handover(hook: Callable[..., None]) -> Callable[..., None]:
     return excepthook
 
 
-def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataLoader, DataLoader]:
+def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataLoader | DeviceAugmentedLoader, DataLoader]:
+    """The training loader (a DeviceAugmentedLoader under --device-augment) and the validation loader."""
     args = plan.args
+    on_device = args.device_augment and not args.eval_only
     workers = default_workers(ctx.device, ctx.local_world_size) if args.workers is None else args.workers
     common = dict(
         batch_size=args.batch_size,
@@ -91,7 +107,11 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
         ctx.print0(f"cache: {len(cache.shapes)} images, {cache.nbytes / 2**20:.0f} MiB of shared memory, one copy "
                    f"for the {ctx.local_world_size} process(es) on this machine, filled in "
                    f"{time.perf_counter() - started:.1f}s")
-    train_set = MyDataSet(split.train, train_transforms(vars(args)), args.img_size, args.seed, cache)
+    if on_device:
+        crops = device_crops(split, eval_resize(args.img_size), ctx, cache)
+        train_set = CropDraws(split.train, crops.frames.tolist(), args.seed)
+    else:
+        train_set = MyDataSet(split.train, train_transforms(vars(args)), args.img_size, args.seed, cache)
     val_set = MyDataSet(split.val, build_transform(val_size, train=False), eval_resize(val_size), cache=cache)
     # Every process, the single one included, draws from a DistributedSampler: one code path.
     train_sampler = EpochSampler(
@@ -102,7 +122,65 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
     drop_last = len(train_sampler) > args.batch_size
     train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=drop_last, **common)
     val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), ctx), **common)
+    if on_device:
+        return DeviceAugmentedLoader(train_loader, crops, train_transforms(vars(args)).sizes), val_loader
     return train_loader, val_loader
+
+
+class DeviceAugmentedLoader:
+    """The training loader of --device-augment: its workers draw each image's crop and flip
+    (CropDraws), and each batch is cut from the pixels on the device, all images in one call
+    (DeviceCrops), at the epoch's size. Iterated, sized and set to an epoch like a DataLoader;
+    its batches are normalised float images already on the device."""
+
+    def __init__(self, draws: DataLoader, crops: DeviceCrops, sizes: SizeSchedule):
+        self.draws = draws
+        self.crops = crops
+        self.sizes = sizes
+        self.sampler: EpochSampler = draws.sampler
+
+    def __len__(self) -> int:
+        return len(self.draws)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        size = self.sizes(self.sampler.epoch or 1)
+        for draws, labels in self.draws:
+            yield self.crops(draws, size), labels
+
+
+def device_crops(split: DataSplit, side: int, ctx: DistContext, cache: PixelCache | None) -> DeviceCrops:
+    """The training images as DeviceCrops: each `side` px square, on this process's device.
+    Each process decodes 1/world_size of them, the others' places left at zero, and one sum over
+    the processes fills in the rest: every process ends with the same pixels, decoded once."""
+    started = time.perf_counter()
+    paths = [p for p, _ in split.train]
+    frames = torch.tensor([_picture_shape(p, side) for p in paths], dtype=torch.int64).reshape(-1, 2)
+    nbytes = len(paths) * 3 * side * side
+    check_device_room(nbytes, ctx.device)
+    pixels = torch.zeros(len(paths), 3, side, side, dtype=torch.uint8)
+
+    def fill(i: int) -> None:
+        try:
+            picture = cache.get(paths[i]) if cache is not None else decode(paths[i], side)
+        except Exception as e:  # unreadable files were left out at start-up; this one changed since
+            raise RuntimeError(f"cannot decode {paths[i]}: {e}") from e
+        pixels[i] = resize(picture, [side, side], antialias=True)
+
+    with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:  # decoding releases the GIL
+        list(pool.map(fill, range(ctx.rank, len(paths), ctx.world_size)))
+    pixels = all_reduce_sum(pixels.to(ctx.device), ctx)  # uint8: one process wrote each image, the rest 0
+    ctx.print0(f"device augment: {len(paths)} training images, {nbytes / 2**20:.0f} MiB on {ctx.device} per "
+               f"process, decoded in {time.perf_counter() - started:.1f}s")
+    return DeviceCrops(pixels, frames)
+
+
+def check_device_room(nbytes: int, device: torch.device) -> None:
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _memory_available()
+    if nbytes > 0.5 * free:  # the rest is the model's, its activations' and the batch's
+        raise UserError(
+            f"--device-augment keeps the training images on {device}: {nbytes / 2**30:.2f} GiB, but only "
+            f"{free / 2**30:.2f} GiB is free: train without it, or with a smaller --img-size"
+        )
 
 
 class SharedImageCache:
@@ -119,7 +197,7 @@ class SharedImageCache:
         if sys.platform != "linux":
             raise UserError("--cache needs Linux (a /dev/shm file shared with forked loader workers)")
         self.index = {p: i for i, p in enumerate(paths)}
-        self.shapes = [_cached_shape(p, short_side) for p in paths]  # header reads only
+        self.shapes = [_picture_shape(p, short_side) for p in paths]  # header reads only
         sizes = [h * w * 3 for h, w in self.shapes]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.nbytes = int(self.offsets[-1])
@@ -157,7 +235,8 @@ class SharedImageCache:
         return torch.from_numpy(hwc).permute(2, 0, 1)
 
 
-def _cached_shape(path: str, short_side: int) -> tuple[int, int]:
+def _picture_shape(path: str, short_side: int) -> tuple[int, int]:
+    """(height, width) of the upright picture, resized to a short side of `short_side`."""
     with Image.open(path) as img:
         w, h = img.size
         if img.getexif().get(0x0112) in (5, 6, 7, 8):  # EXIF says: rotated by 90 degrees
@@ -167,12 +246,14 @@ def _cached_shape(path: str, short_side: int) -> tuple[int, int]:
 
 
 def check_cache_room(nbytes: int) -> None:
-    shm_free = shutil.disk_usage("/dev/shm").free
-    with open("/proc/meminfo") as f:
-        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    room = min(shm_free, available)
+    room = min(shutil.disk_usage("/dev/shm").free, _memory_available())
     if nbytes > 0.8 * room:  # leave room for the model, the loaders and the rest of the machine
         raise UserError(
             f"--cache needs {nbytes / 2**30:.2f} GiB of shared memory, but only {room / 2**30:.2f} GiB is "
             "available (/dev/shm or free RAM): train without --cache, or with a smaller --img-size"
         )
+
+
+def _memory_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import SAMPLE, check_png, ok, run_cli
 
-from benchmarks import accuracy, ours_recipe
+from benchmarks import accuracy, endtoend, ours_recipe
+from utils import list_images
 
 TINY = ["--data-path", str(SAMPLE), "--img-size", "32"]
 BENCHMARKS = [sys.executable, "-m", "benchmarks"]
@@ -52,8 +54,9 @@ def test_throughput_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_throughput_two_processes(tmp_path):
+    """With the pixels on the device (--device-augment), whose loader is not a DataLoader."""
     out = tmp_path / "throughput.json"
-    ok(run_cli([*THROUGHPUT, "--configs", "ours", "--world-sizes", "2", "--no-synthetic", "--out", str(out)]))
+    ok(run_cli([*THROUGHPUT, "--configs", "ours-device", "--world-sizes", "2", "--no-synthetic", "--out", str(out)]))
     data = json.loads(out.read_text())
     (m,) = data["measurements"]
     assert "error" not in m, m
@@ -123,3 +126,29 @@ def test_accuracy_against_wall_time(tmp_path):
     seed_final, ours_final = data["runs"]["seed"]["3"]["curve"][-1][1], data["runs"]["ours"]["3"]["curve"][-1][1]
     assert data["summary"]["ours"]["points_above_seed"]["mean"] == pytest.approx(100 * (ours_final - seed_final))
     check_png(out.with_suffix(".png"))
+
+
+def test_a_folder_of_any_size_keeps_the_class_proportions(tmp_path):
+    names, samples = list_images(str(SAMPLE))
+    pictures, repeats = endtoend.sized_folder(str(SAMPLE), 300, tmp_path)
+    assert (pictures, repeats) == (120, 3)
+    made_names, made = list_images(str(tmp_path))
+    assert made_names == names and len(made) == 300
+    for c in range(len(names)):
+        share = sum(label == c for _, label in samples) / len(samples)
+        assert abs(sum(label == c for _, label in made) - 300 * share) <= 1
+    assert all(Path(p).stat().st_nlink >= 2 for p, _ in made)  # links, not copies
+
+
+@pytest.mark.slow
+def test_end_to_end_times_a_whole_command(tmp_path):
+    """A whole train_single_gpu.py run, with the pixels on the device (the launcher's side of --device-augment)."""
+    out = tmp_path / "endtoend.json"
+    result = ok(run_cli([*BENCHMARKS, "endtoend", *TINY, "--images", "60", "--epochs", "2", "--repeats", "1",
+                         "--variant", "--workers 0 --device-augment", "--out", str(out)]))
+    assert "| `--workers 0 --device-augment` |" in result.stdout
+    (m,) = json.loads(out.read_text())["measurements"]
+    assert m["startup_lines"][0].startswith("device augment: 50 training images")  # 12 per class, 2 held out
+    assert m["epochs"] == 2 and 0 < m["epochs_seconds"] < m["to_last_checkpoint_seconds"] < m["wall_seconds"]
+    assert m["outside_epochs_seconds"] == pytest.approx(m["wall_seconds"] - m["epochs_seconds"], abs=0.02)
+    assert 0 <= m["data_wait_share"] < 1

@@ -40,6 +40,7 @@ CPU = torch.device("cpu")
     (["--mixup-alpha", "-1"], "--mixup-alpha and --cutmix-alpha cannot be negative"),
     (["--ema-decay", "1"], "--ema-decay must be between 0 and 1"),
     (["--clip-grad-norm", "0"], "--clip-grad-norm must be positive"),
+    (["--device-augment", "--auto-augment", "ra"], "--device-augment crops and flips on the device"),
 ])
 def test_recipe_mistakes_are_one_clear_error(argv, message, tmp_path, capsys):
     line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path), *argv], capsys)
