@@ -11,6 +11,9 @@
     # validation accuracy of the seed recipe and of ours (run through train_single_gpu.py)
     python -m benchmarks accuracy --data-path DATA --img-size 128 --epochs 20 --out docs/benchmark/accuracy.json
 
+    # wall clock of whole train_single_gpu.py commands on a folder of 3,670 images (DATA's, repeated)
+    python -m benchmarks endtoend --data-path DATA --images 3670 --epochs 10 --variant '' --variant=--device-augment
+
 These are the commands behind the results in docs/benchmark/, where DATA is a folder of real
 photos, one sub-folder per class (the README's Performance section names the one used). Run
 them from the repository root: the package imports the project's modules from there.
@@ -31,6 +34,6 @@ How the throughput is measured, and why:
   own work plus any wait for data; warm-up steps, which include torch.compile, are excluded.
 
 Modules: `seed_recipe` (the seed, frozen) and `ours_recipe` (our configurations) are what is
-measured; `instruments` is what measures and records; `throughput`, `data` and `accuracy` are
-the experiments, and `__main__` their command line.
+measured; `instruments` is what measures and records; `throughput`, `data`, `accuracy` and
+`endtoend` are the experiments, and `__main__` their command line.
 """

@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--repeats", type=int, default=3)
     e.add_argument("--variant", action="append", default=[], metavar="OPTIONS",
                    help="time train_single_gpu.py with these options (repeatable; they override the ones above), "
-                        "e.g. --variant '' --variant '--compile --batch-size 256' (default: one run of the defaults)")
+                        "e.g. --variant '' --variant '--compile --batch-size 256'; one option alone needs the = "
+                        "form: --variant=--compile (default: one run of the defaults)")
     return parser
 
 

@@ -81,6 +81,24 @@ def test_sync_bn_becomes_torch_syncbatchnorm_and_trains():
         dist.destroy_process_group()
 
 
+def test_device_augment_cuts_on_the_gpu_what_it_cuts_on_the_cpu(tmp_path):
+    """The pixels on the GPU, the same draws: the GPU's crops are the CPU's (bilinear sampling
+    in fp32 on either), and a run with them trains."""
+    args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *ON_GPU, "--device-augment"])
+    plan = prepare(args, "test", verbose=False)
+    crops = {}
+    for device in (CUDA, torch.device("cpu")):
+        ctx = DistContext.single(device)
+        loader = build_loaders(readable_split(plan, ctx), plan, ctx)[0]
+        loader.sampler.set_epoch(1)
+        images, _ = next(iter(loader))
+        assert images.device.type == device.type and images.dtype == torch.float32
+        crops[device.type] = images.cpu()
+    torch.testing.assert_close(crops["cuda"], crops["cpu"], rtol=0, atol=1e-3)
+    ok(train("single", tmp_path, "--epochs", "1", *ON_GPU, "--device-augment"))
+    assert len(metrics(tmp_path)) == 1
+
+
 def test_compile_on_cuda(tmp_path):
     ok(train("single", tmp_path, "--epochs", "1", *ON_GPU, "--compile", timeout=900))
     assert len(metrics(tmp_path)) == 1
