@@ -150,14 +150,15 @@ class DeviceAugmentedLoader:
 
 def device_crops(split: DataSplit, side: int, ctx: DistContext, cache: PixelCache | None) -> DeviceCrops:
     """The training images as DeviceCrops: each `side` px square, on this process's device.
-    Each process decodes 1/world_size of them, the others' places left at zero, and one sum over
-    the processes fills in the rest: every process ends with the same pixels, decoded once."""
+    Each process decodes 1/world_size of them (and reads their frames), the others' places left
+    at zero, and a sum over the processes fills in the rest: every process ends with the same
+    pixels, each decoded once."""
     started = time.perf_counter()
     paths = [p for p, _ in split.train]
-    frames = torch.tensor([_picture_shape(p, side) for p in paths], dtype=torch.int64).reshape(-1, 2)
     nbytes = len(paths) * 3 * side * side
     check_device_room(nbytes, ctx.device)
     pixels = torch.zeros(len(paths), 3, side, side, dtype=torch.uint8)
+    frames = torch.zeros(len(paths), 2, dtype=torch.int64)
 
     def fill(i: int) -> None:
         try:
@@ -165,10 +166,13 @@ def device_crops(split: DataSplit, side: int, ctx: DistContext, cache: PixelCach
         except Exception as e:  # unreadable files were left out at start-up; this one changed since
             raise RuntimeError(f"cannot decode {paths[i]}: {e}") from e
         pixels[i] = resize(picture, [side, side], antialias=True)
+        frames[i] = torch.tensor(_picture_shape(paths[i], side))  # the frame --cache's pixels have
 
     with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:  # decoding releases the GIL
         list(pool.map(fill, range(ctx.rank, len(paths), ctx.world_size)))
-    pixels = all_reduce_sum(pixels.to(ctx.device), ctx)  # uint8: one process wrote each image, the rest 0
+    # One process filled each image's place, the others left it 0: the sums are the images.
+    pixels = all_reduce_sum(pixels.to(ctx.device), ctx)
+    frames = all_reduce_sum(frames.to(ctx.device), ctx)
     ctx.print0(f"device augment: {len(paths)} training images, {nbytes / 2**20:.0f} MiB on {ctx.device} per "
                f"process, decoded in {time.perf_counter() - started:.1f}s")
     return DeviceCrops(pixels, frames)
