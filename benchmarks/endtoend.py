@@ -83,10 +83,22 @@ def time_command(cmd: list[str], out_dir: Path) -> dict[str, Any]:
     }
 
 
+def summarise(options: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The medians of one set of options' successful runs."""
+    if not runs:
+        return {"options": options, "error": "no run succeeded"}
+    keys = ("wall_seconds", "to_last_checkpoint_seconds", "epochs_seconds", "outside_epochs_seconds",
+            "first_epoch_seconds", "train_images_per_sec", "data_wait_share")
+    return {"options": options, "runs": len(runs), **{k: statistics.median(r[k] for r in runs) for k in keys}}
+
+
 def report_table(result: dict[str, Any]) -> str:
     lines = ["| options | wall s (median) | to last checkpoint s | epochs s | outside epochs s | epoch 1 s | img/s "
              "| waiting for data |", "|---|---|---|---|---|---|---|---|"]
     for row in result["summary"]:
+        if "error" in row:
+            lines.append(f"| `{row['options'] or '(defaults)'}` | {row['error']} |" + " |" * 6)
+            continue
         lines.append(f"| `{row['options'] or '(defaults)'}` | {row['wall_seconds']:.1f} | "
                      f"{row['to_last_checkpoint_seconds']:.1f} | {row['epochs_seconds']:.1f} | "
                      f"{row['outside_epochs_seconds']:.1f} | {row['first_epoch_seconds']:.1f} | "
@@ -109,16 +121,20 @@ def endtoend(args: argparse.Namespace) -> dict[str, Any]:
                 cmd = [sys.executable, "train_single_gpu.py", "--data-path", str(data), "--output-dir", str(out),
                        "--epochs", str(args.epochs), "--img-size", str(args.img_size),
                        "--batch-size", str(args.batch_size), *shlex.split(options)]
-                record = {"options": options, "repeat": repeat + 1, **time_command(cmd, out)}
-                print(f"[{repeat + 1}/{args.repeats}] {options or '(defaults)'}: {record['wall_seconds']:.1f}s "
-                      f"({record['outside_epochs_seconds']:.1f}s outside the epochs), "
-                      f"{100 * record['data_wait_share']:.1f}% waiting for data", flush=True)
+                record: dict[str, Any] = {"options": options, "repeat": repeat + 1}
+                try:
+                    record.update(time_command(cmd, out))
+                except Exception as e:  # noqa: BLE001 (one failing set of options must not lose the others' numbers)
+                    record["error"] = f"{type(e).__name__}: {e}"
+                    print(f"error: {options or '(defaults)'}: {record['error']}", file=sys.stderr, flush=True)
+                else:
+                    print(f"[{repeat + 1}/{args.repeats}] {options or '(defaults)'}: {record['wall_seconds']:.1f}s "
+                          f"({record['outside_epochs_seconds']:.1f}s outside the epochs), "
+                          f"{100 * record['data_wait_share']:.1f}% waiting for data", flush=True)
                 measurements.append(record)
-                shutil.rmtree(out)
-    keys = ("wall_seconds", "to_last_checkpoint_seconds", "epochs_seconds", "outside_epochs_seconds", "first_epoch_seconds", "train_images_per_sec",
-            "data_wait_share")
-    summary = [{"options": options, **{k: statistics.median(m[k] for m in measurements if m["options"] == options)
-                                      for k in keys}} for options in variants]
+                shutil.rmtree(out, ignore_errors=True)
+    summary = [summarise(options, [m for m in measurements if m["options"] == options and "error" not in m])
+               for options in variants]
     settings = {"data_path": args.data_path, "images": args.images, "source_pictures": pictures,
                 "epochs": args.epochs, "img_size": args.img_size, "batch_size": args.batch_size,
                 "repeats": args.repeats, "variants": variants}

@@ -145,9 +145,12 @@ def test_end_to_end_times_a_whole_command(tmp_path):
     """A whole train_single_gpu.py run, with the pixels on the device (the launcher's side of --device-augment)."""
     out = tmp_path / "endtoend.json"
     result = ok(run_cli([*BENCHMARKS, "endtoend", *TINY, "--images", "60", "--epochs", "2", "--repeats", "1",
-                         "--variant", "--workers 0 --device-augment", "--out", str(out)]))
+                         "--variant", "--workers 0 --device-augment", "--variant=--no-such-option",
+                         "--out", str(out)]))
     assert "| `--workers 0 --device-augment` |" in result.stdout
-    (m,) = json.loads(out.read_text())["measurements"]
+    assert "| `--no-such-option` | no run succeeded |" in result.stdout  # and the other's numbers are kept
+    m, failed = json.loads(out.read_text())["measurements"]
+    assert "unrecognized arguments: --no-such-option" in failed["error"]
     assert m["startup_lines"][0].startswith("device augment: 50 training images")  # 12 per class, 2 held out
     assert m["epochs"] == 2 and 0 < m["epochs_seconds"] < m["to_last_checkpoint_seconds"] < m["wall_seconds"]
     assert m["outside_epochs_seconds"] == pytest.approx(m["wall_seconds"] - m["epochs_seconds"], abs=0.02)
