@@ -137,6 +137,8 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     run.add_argument("--resume", default=None, metavar="PATH|auto",
                      help="continue from a checkpoint; 'auto' takes <output-dir>/last.pth when it exists")
     run.add_argument("--eval-only", action=BoolFlag, help="evaluate --resume (or --weights) on the validation split")
+    run.add_argument("--plots", action=BoolFlag, default=True,
+                     help="draw the run's PNGs at its end (a few seconds); `python plots.py RUN_DIR` draws them later")
     run.add_argument("--backend", default=None, choices=["nccl", "gloo"],
                      help="process-group backend (default: nccl on CUDA, gloo on the CPU)")
     run.add_argument("--dist-timeout", type=float, default=1800,

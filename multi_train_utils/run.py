@@ -67,7 +67,7 @@ def run(plan: Plan, ctx: DistContext) -> None:
     placed = build_model(args, split.class_names, checkpoint, resume_path, ctx)
     train_loader, val_loader = build_loaders(split, plan, ctx)
     if args.eval_only:
-        evaluate_only(placed, val_loader, split, resume_path or args.weights, output_dir, ctx)
+        evaluate_only(placed, val_loader, split, resume_path or args.weights, output_dir, args.plots, ctx)
         return
     training = build_training(placed, args, ctx, len(train_loader))
     progress = resume(training, checkpoint, resume_path, args, ctx)
@@ -77,7 +77,7 @@ def run(plan: Plan, ctx: DistContext) -> None:
     train_epochs(training, train_loader, val_loader, plan, split, progress, output_dir, ctx)
     best = use_best_weights(output_dir, training.placed.module, ctx)
     final_report(training.placed, val_loader, split, best, output_dir, ctx)
-    if ctx.is_main:
+    if ctx.is_main and args.plots:
         save_run_plots(output_dir, split, args.img_size, args.seed)
     ctx.print0(f"done: best val_acc {progress.best_acc:.4f}; checkpoints and logs in {output_dir}")
 
@@ -136,14 +136,14 @@ def resume(training: Training, checkpoint: dict[str, Any] | None, source: str | 
 
 
 def evaluate_only(placed: PlacedModel, val_loader: DataLoader, split: DataSplit, source: str, output_dir: Path,
-                  ctx: DistContext) -> None:
+                  plots: bool, ctx: DistContext) -> None:
     result = evaluate(placed, val_loader, ctx)
     ctx.print0(f"eval {source}: acc {result['val_acc']:.4f} ({result['val_correct']}/{result['val_total']}), "
                f"loss {result['val_loss']:.4f}")
     if ctx.is_main:
         write_json(output_dir / "eval.json", {**result, "weights": source, "world_size": ctx.world_size})
     final_report(placed, val_loader, split, source, output_dir, ctx)
-    if ctx.is_main:
+    if ctx.is_main and plots:
         save_report_plots(output_dir)
 
 

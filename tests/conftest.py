@@ -31,8 +31,9 @@ from my_dataset import MyDataSet, build_transform  # noqa: E402
 from utils import list_images  # noqa: E402
 
 # Small and fast: 32 px crops still run the whole network, and 2 CPU cores finish an epoch
-# of the 120-image sample in about a second.
-FAST = ["--img-size", "32", "--batch-size", "8", "--workers", "0"]
+# of the 120-image sample in about a second. The PNGs would take longer than that: the tests
+# that look at them ask for --plots.
+FAST = ["--img-size", "32", "--batch-size", "8", "--workers", "0", "--no-plots"]
 
 
 def pytest_configure(config) -> None:

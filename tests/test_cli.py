@@ -108,7 +108,11 @@ def test_spawn_without_gpus_needs_world_size(capsys):
 
 @pytest.mark.slow
 def test_under_torchrun_every_worker_reports_and_exits_2(tmp_path):
-    result = run_cli(launcher_cmd("launch", 2) + ["--data-path", str(tmp_path / "missing")], timeout=120)
+    # torchrun ends the other workers once it sees one fail; looking every 5 s instead of every
+    # 0.1 s lets a worker that started late (a loaded machine) print its own line first.
+    cmd = launcher_cmd("launch", 2)
+    cmd.insert(cmd.index("--standalone"), "--monitor-interval=5")
+    result = run_cli(cmd + ["--data-path", str(tmp_path / "missing")], timeout=120)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2 and all("does not exist" in e for e in errors), result.stderr

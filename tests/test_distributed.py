@@ -73,6 +73,7 @@ def test_end_to_end(runs, launcher, world_size):
     split = load_split(out / "split.json")
     assert (len(split.train), len(split.val)) == (95, 25) and split.class_names == ckpt["class_names"]
     assert list(out.glob("events.out.tfevents.*"))
+    assert not list(out.glob("*.png"))  # --no-plots
     # Rank 0 alone prints: one summary line per epoch, not one per process.
     assert result.stdout.count("epoch 2/2: train loss") == 1
 
@@ -87,7 +88,7 @@ def test_evaluation_and_report_are_exact_on_any_world_size(runs, tmp_path):
     reported = metrics(out)[best_epoch - 1]
     run_report = json.loads((out / "report.json").read_text())
     for world_size, launcher in ((1, "single"), (2, "launch"), (3, "spawn")):
-        ok(train(launcher, tmp_path / f"{world_size}", "--eval-only", "--resume", str(out / "best.pth"),
+        ok(train(launcher, tmp_path / f"{world_size}", "--eval-only", "--resume", str(out / "best.pth"), "--plots",
                  nproc=world_size))
         result = json.loads((tmp_path / f"{world_size}" / "eval.json").read_text())
         assert result["val_total"] == 25

@@ -21,8 +21,8 @@ REPORT_PLOTS = ("confusion_matrix.png", "mistakes.png")
 def runs(tmp_path_factory):
     """A two-epoch single-process run and a one-epoch run with another seed."""
     root = tmp_path_factory.mktemp("runs")
-    ok(train("single", root / "two_epochs", "--epochs", "2"))
-    ok(train("single", root / "seed_1", "--epochs", "1", "--seed", "1"))
+    ok(train("single", root / "two_epochs", "--epochs", "2", "--plots"))
+    ok(train("single", root / "seed_1", "--epochs", "1", "--seed", "1", "--plots"))
     return root / "two_epochs", root / "seed_1"
 
 

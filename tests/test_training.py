@@ -136,7 +136,7 @@ def test_eval_only_with_weights(tmp_path, capsys):
     weights = saved_weights(tmp_path, "plain.pth", create_model(5).state_dict())
     out = tmp_path / "run"
     call_main(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(out), *FAST,
-                                      "--eval-only", "--weights", weights])
+                                      "--eval-only", "--weights", weights, "--plots"])
     result = json.loads((out / "eval.json").read_text())
     assert result["val_total"] == 25 and result["weights"] == weights and 0 <= result["val_correct"] <= 25
     assert f"eval {weights}: acc" in capsys.readouterr().out
