@@ -117,12 +117,17 @@ class TrainTransforms:
         return self.built[size]
 
 
+def size_schedule(config: Mapping[str, Any]) -> SizeSchedule:
+    """Each epoch's training crop size, as a run's configuration (its args, or a checkpoint's) asks."""
+    return SizeSchedule(config.get("min_img_size") or config["img_size"], config["img_size"],
+                        config.get("ramp_epochs", 0))
+
+
 def train_transforms(config: Mapping[str, Any]) -> TrainTransforms:
-    """Each epoch's training transform, as a run's configuration (its args, or a checkpoint's)
-    asks: the crop size of the epoch and the augmentation."""
-    sizes = SizeSchedule(config.get("min_img_size") or config["img_size"], config["img_size"],
-                         config.get("ramp_epochs", 0))
-    return TrainTransforms(sizes, Augmentation(config.get("auto_augment", "none"), config.get("random_erase", 0.0)))
+    """Each epoch's training transform, as a run's configuration asks: the crop size of the
+    epoch and the augmentation."""
+    return TrainTransforms(size_schedule(config),
+                           Augmentation(config.get("auto_augment", "none"), config.get("random_erase", 0.0)))
 
 
 def eval_img_size(config: Mapping[str, Any]) -> int:

@@ -42,6 +42,7 @@ from my_dataset import (
     default_workers,
     eval_img_size,
     eval_resize,
+    size_schedule,
     train_transforms,
 )
 from utils import DataSplit, UserError, drop_unreadable, find_unreadable, load_rgb, split_samples
@@ -123,7 +124,7 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
     train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=drop_last, **common)
     val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), ctx), **common)
     if on_device:
-        return DeviceAugmentedLoader(train_loader, crops, train_transforms(vars(args)).sizes), val_loader
+        return DeviceAugmentedLoader(train_loader, crops, size_schedule(vars(args))), val_loader
     return train_loader, val_loader
 
 
