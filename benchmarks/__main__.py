@@ -1,4 +1,4 @@
-"""`python -m benchmarks {throughput,data,accuracy,endtoend}`: the command line of the experiments."""
+"""`python -m benchmarks {throughput,data,accuracy,endtoend,profile}`: the command line of the experiments."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ from benchmarks.accuracy import accuracy
 from benchmarks.data import data_paths
 from benchmarks.endtoend import endtoend
 from benchmarks.ours_recipe import CONFIGS
+from benchmarks.profile import profile_steps
 from benchmarks.throughput import throughput
 from multi_train_utils.config import BoolFlag
 from utils import exit_on_error
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--configs", nargs="+", type=config_spec, default=[("seed", None), ("ours", None)],
                    metavar="NAME[@N]", help=f"{', '.join(CONFIGS)}; NAME@N: that one at world size N only "
                                             "(default: seed ours)")
+    t.add_argument("--images", type=int, default=0,
+                   help="measure on a folder of this many pictures, hard links to --data-path's (0: --data-path "
+                        "itself): large batches need more training images than warm-up + steps batches")
     t.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2])
     t.add_argument("--launcher", choices=["spawn", "single"], default="spawn",
                    help="spawn: fresh processes per measurement (needed for world size > 1 and for memory); "
@@ -76,13 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time train_single_gpu.py with these options (repeatable; they override the ones above), "
                         "e.g. --variant '' --variant '--compile --batch-size 256'; one option alone needs the = "
                         "form: --variant=--compile (default: one run of the defaults)")
+
+    p = sub.add_parser("profile", help="where one training step of ours spends the device's time, by kind of kernel")
+    common(p, "docs/benchmark/profile.json", 224)
+    p.add_argument("--device", default=None, help="as the launchers take it (default: CUDA when present)")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20, help="steps timed, then as many profiled")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--options", default="", type=str.split, metavar="OPTIONS",
+                   help="the launchers' options on top of the defaults, e.g. --options '--compile'")
     return parser
 
 
 def main() -> None:
     args = build_parser().parse_args()
     with exit_on_error():
-        {"throughput": throughput, "data": data_paths, "accuracy": accuracy, "endtoend": endtoend}[args.command](args)
+        {"throughput": throughput, "data": data_paths, "accuracy": accuracy, "endtoend": endtoend,
+         "profile": profile_steps}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ evaluation, the checkpoints and the final report), on a folder of a given size."
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import shlex
 import shutil
@@ -16,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.instruments import ROOT, Run, write_result
-from utils import UserError, list_images, read_metrics
+from benchmarks.instruments import ROOT, Run, data_of_size, write_result
+from utils import read_metrics
 
 DEFINITIONS = {
     "wall_seconds": "from starting the command to its exit, as `time` would show it",
@@ -30,33 +29,6 @@ DEFINITIONS = {
     "data_wait_share": "seconds the training loop waited for batches over all epochs / training seconds",
     "train_images_per_sec": "median over epochs 2 onwards of each epoch's training images/s",
 }
-
-
-def sized_folder(source: str, images: int, target: Path) -> tuple[int, int]:
-    """`target` with `images` pictures in `source`'s class folders and proportions: hard links
-    to its pictures, each repeated as often as needed. Returns (pictures in source, repeats of
-    the most repeated). Repeated pictures fall on both sides of the split: a folder for timing,
-    not for accuracy."""
-    class_names, samples = list_images(source)
-    if images < len(class_names):
-        raise UserError(f"--images {images} is fewer than the {len(class_names)} classes")
-    by_class = {c: [p for p, label in samples if label == c] for c in range(len(class_names))}
-    most, before = 0, 0
-    for c, name in enumerate(class_names):
-        # Rounded cumulatively, so that the counts add up to `images` exactly.
-        count = round((before + len(by_class[c])) * images / len(samples)) - round(before * images / len(samples))
-        before += len(by_class[c])
-        folder = target / name
-        folder.mkdir(parents=True)
-        for k, path in enumerate(itertools.islice(itertools.cycle(by_class[c]), count)):
-            repeat = k // len(by_class[c])
-            most = max(most, repeat + 1)
-            link = folder / f"{Path(path).stem}-{repeat}{Path(path).suffix}"
-            try:
-                os.link(path, link)
-            except OSError:  # another file system
-                shutil.copyfile(path, link)
-    return len(samples), most
 
 
 def time_command(cmd: list[str], out_dir: Path) -> dict[str, Any]:
@@ -111,10 +83,7 @@ def endtoend(args: argparse.Namespace) -> dict[str, Any]:
     run = Run("endtoend", args.machine)
     variants = args.variant or [""]
     measurements = []
-    with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        pictures, repeats = sized_folder(args.data_path, args.images, data)
-        print(f"{args.images} images from {pictures} pictures (each used up to {repeats} times) in {data}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp, data_of_size(args.data_path, args.images) as (data, pictures):
         for repeat in range(args.repeats):
             for i, options in enumerate(variants if repeat % 2 == 0 else variants[::-1]):
                 out = Path(tmp) / f"run-{repeat}-{i}"

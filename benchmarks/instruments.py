@@ -8,9 +8,11 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -22,7 +24,7 @@ import torch
 import torchvision
 
 from plots import figure_class
-from utils import cpu_count
+from utils import UserError, cpu_count, list_images
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: where the launchers are, and its git state
 # Reading a process's PSS walks its page tables: ~30 ms for a 1.5 GB training process here. Every
@@ -84,6 +86,48 @@ def median(values: Iterable[float]) -> float | None:
     """The median, or None for no values (every repetition of a measurement failed)."""
     values = list(values)
     return statistics.median(values) if values else None
+
+
+# --------------------------------------------------------------------------- data
+
+def sized_folder(source: str, images: int, target: Path) -> tuple[int, int]:
+    """`target` with `images` pictures in `source`'s class folders and proportions: hard links
+    to its pictures, each repeated as often as needed. Returns (pictures in source, repeats of
+    the most repeated). Repeated pictures fall on both sides of the split: a folder for timing,
+    not for accuracy."""
+    class_names, samples = list_images(source)
+    if images < len(class_names):
+        raise UserError(f"--images {images} is fewer than the {len(class_names)} classes")
+    by_class = {c: [p for p, label in samples if label == c] for c in range(len(class_names))}
+    most, before = 0, 0
+    for c, name in enumerate(class_names):
+        # Rounded cumulatively, so that the counts add up to `images` exactly.
+        count = round((before + len(by_class[c])) * images / len(samples)) - round(before * images / len(samples))
+        before += len(by_class[c])
+        folder = target / name
+        folder.mkdir(parents=True)
+        for k, path in enumerate(itertools.islice(itertools.cycle(by_class[c]), count)):
+            repeat = k // len(by_class[c])
+            most = max(most, repeat + 1)
+            link = folder / f"{Path(path).stem}-{repeat}{Path(path).suffix}"
+            try:
+                os.link(path, link)
+            except OSError:  # another file system
+                shutil.copyfile(path, link)
+    return len(samples), most
+
+
+@contextlib.contextmanager
+def data_of_size(source: str, images: int) -> Iterator[tuple[str, int]]:
+    """(folder, pictures in `source`): `source` itself for `images` 0, else a temporary folder
+    of `images` pictures made of hard links to its pictures (sized_folder), removed afterwards."""
+    if not images:
+        yield source, len(list_images(source)[1])
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        pictures, repeats = sized_folder(source, images, Path(tmp))
+        print(f"{images} images from {pictures} pictures (each used up to {repeats} times) in {tmp}", flush=True)
+        yield tmp, pictures
 
 
 # --------------------------------------------------------------------------- memory

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
-from benchmarks.instruments import MemorySampler, Run, StepTimer, rank_rate, vm_hwm_mb, write_result
+from benchmarks.instruments import MemorySampler, Run, StepTimer, data_of_size, rank_rate, vm_hwm_mb, write_result
 from benchmarks.ours_recipe import OURS_OPTIONS, SAME_SYNTHETIC_AS_OURS, missing_option, ours_plan
 from benchmarks.seed_recipe import seed_loader, seed_model_and_optimizer, seed_train_one_epoch, seed_transforms
 from benchmarks.throughput_report import plot_throughput, summarise, throughput_table
@@ -295,19 +295,11 @@ def _print_record(record: dict[str, Any], repeats: int) -> None:
           f"first step {record['first_step_seconds']:.1f}s, run {record['wall_seconds']:.0f}s", flush=True)
 
 
-def throughput(args: argparse.Namespace) -> dict[str, Any]:
-    """The `throughput` command: every measurement, their summary, JSON, PNG and a markdown table."""
-    run = Run("throughput", args.machine)
-    inputs, sizes_of, world_sizes, skipped = _what_to_measure(args)
-    configs = list(sizes_of)
-    # The image list and the split once, here; every measurement gets the same.
-    plans = {c: ours_plan(args.data_path, args.img_size, args.batch_size, OURS_OPTIONS.get(c, [])) for c in configs}
-    split = readable_split(next(iter(plans.values())), DistContext.single())
-    print(f"{len(split.train)} training images, {len(split.class_names)} classes; configs {configs}, "
-          f"world sizes {world_sizes}, inputs {inputs}, {args.repeats} repetition(s)", flush=True)
-
+def _measure_interleaved(args: argparse.Namespace, plans: dict[str, Plan], split: DataSplit, inputs: list[str],
+                         sizes_of: dict[str, set[int]], world_sizes: list[int]) -> list[dict[str, Any]]:
+    """Every measurement, each in fresh processes, interleaved over the repetitions."""
     start_method = multiprocessing.get_start_method()
-    order = [(kind, ws, c) for kind in inputs for ws in world_sizes for c in configs
+    order = [(kind, ws, c) for kind in inputs for ws in world_sizes for c in plans
              if ws in sizes_of[c] and not (kind == "synthetic" and c in SAME_SYNTHETIC_AS_OURS)]
     measurements = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -327,11 +319,26 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
                 measurements.append(record)
                 if "error" not in record:
                     _print_record(record, args.repeats)
+    return measurements
+
+
+def throughput(args: argparse.Namespace) -> dict[str, Any]:
+    """The `throughput` command: every measurement, their summary, JSON, PNG and a markdown table."""
+    run = Run("throughput", args.machine)
+    inputs, sizes_of, world_sizes, skipped = _what_to_measure(args)
+    configs = list(sizes_of)
+    with data_of_size(args.data_path, args.images) as (data_path, _):
+        # The image list and the split once, here; every measurement gets the same.
+        plans = {c: ours_plan(data_path, args.img_size, args.batch_size, OURS_OPTIONS.get(c, [])) for c in configs}
+        split = readable_split(next(iter(plans.values())), DistContext.single())
+        print(f"{len(split.train)} training images, {len(split.class_names)} classes; configs {configs}, "
+              f"world sizes {world_sizes}, inputs {inputs}, {args.repeats} repetition(s)", flush=True)
+        measurements = _measure_interleaved(args, plans, split, inputs, sizes_of, world_sizes)
 
     settings = {
-        "data_path": args.data_path, "train_images": len(split.train), "classes": len(split.class_names),
-        "img_size": args.img_size, "batch_size_per_process": args.batch_size, "steps": args.steps,
-        "warmup": args.warmup, "repeats": args.repeats, "launcher": args.launcher,
+        "data_path": args.data_path, "images": args.images, "train_images": len(split.train),
+        "classes": len(split.class_names), "img_size": args.img_size, "batch_size_per_process": args.batch_size,
+        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "launcher": args.launcher,
         "configs": {c: sorted(sizes_of[c]) for c in configs},
         "world_sizes": world_sizes, "inputs": inputs,
         "ours_options": {c: vars(plans[c].args) for c in configs if c != "seed"},

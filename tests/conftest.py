@@ -38,6 +38,16 @@ FAST = ["--img-size", "32", "--batch-size", "8", "--workers", "0", "--no-plots"]
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: starts real training processes (deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "gpu: runs on CUDA (tests/test_gpu.py); every other test's processes see no GPU")
+
+
+@pytest.fixture(autouse=True)
+def processes_on_the_cpu(request, monkeypatch) -> None:
+    """The processes a test starts run on the CPU, whatever GPUs the machine has: the suite's
+    multi-process jobs are gloo jobs of 2 or 3 processes on one machine, which on a machine with
+    fewer GPUs than processes would (rightly) be refused. Only the `gpu` tests see the GPUs."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 def launcher_cmd(launcher: str, nproc: int = 1) -> list[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import SAMPLE, check_png, ok, run_cli
 
-from benchmarks import accuracy, endtoend, ours_recipe
+from benchmarks import accuracy, instruments, ours_recipe, profile
 from utils import list_images
 
 TINY = ["--data-path", str(SAMPLE), "--img-size", "32"]
@@ -56,17 +56,45 @@ def test_throughput_one_process(tmp_path):
 def test_throughput_two_processes(tmp_path):
     """With the pixels on the device (--device-augment), whose loader is not a DataLoader."""
     out = tmp_path / "throughput.json"
-    ok(run_cli([*THROUGHPUT, "--configs", "ours-device", "--world-sizes", "2", "--no-synthetic", "--out", str(out)]))
+    ok(run_cli([*THROUGHPUT, "--configs", "ours-device", "--world-sizes", "2", "--no-synthetic", "--images", "150",
+                "--out", str(out)]))
     data = json.loads(out.read_text())
+    # A folder of 150 pictures, hard links to the sample's 120: 24 training pictures per class.
+    assert data["settings"]["images"] == 150 and data["settings"]["train_images"] == 120
     (m,) = data["measurements"]
     assert "error" not in m, m
     assert m["world_size"] == 2 and m["threads_per_process"] >= 1
     assert len(m["step_seconds"]) == 2 and len(m["vm_hwm_mb_per_rank"]) == 2  # rank 0 collected both
-    # 48 images per process make 3 batches of 16: all of one epoch, warm-up included.
+    # 60 images per process make 3 batches of 16: all of one epoch, warm-up included.
     assert m["steps_timed"] == 2
     per_rank = [16 * 2 / sum(steps[1:]) for steps in m["step_seconds"]]
     assert abs(m["images_per_sec"] - sum(per_rank)) < 1e-6 * m["images_per_sec"]
     check_png(out.with_suffix(".png"))
+
+
+@pytest.mark.slow
+def test_profile_takes_a_step_apart(tmp_path):
+    out = tmp_path / "profile.json"
+    result = ok(run_cli([*BENCHMARKS, "profile", *TINY, "--device", "cpu", "--batch-size", "8", "--steps", "2",
+                         "--warmup", "1", "--out", str(out)]))
+    data = json.loads(out.read_text())
+    assert "| convolution |" in result.stdout
+    # ResNet34 at 32 px: 3.6 GFLOP of multiply-adds forward at 224 px, x (32/224)^2, x 2 for
+    # multiply and add, about x 3 with the backward pass.
+    assert 0.3e9 < data["flop_per_image"] < 0.8e9
+    assert data["images_per_sec"] > 0 and data["achieved_tflops"] >= 0
+    assert max(data["kinds"], key=data["kinds"].get) == "convolution"  # the bulk of ResNet's arithmetic
+    assert {t["name"] for t in data["top"]} >= {"aten::convolution_backward", "aten::native_batch_norm"}
+
+
+def test_kernels_and_operators_are_sorted_into_kinds():
+    assert profile.kind_of("aten::native_batch_norm_backward") == "batch norm"
+    assert profile.kind_of("aten::mkldnn_convolution") == "convolution"
+    assert profile.kind_of("aten::convolution_backward") == "convolution"
+    assert profile.kind_of("aten::_fused_sgd_") == "optimizer"
+    assert profile.kind_of("aten::clamp_min_") == "elementwise"  # ReLU
+    assert profile.kind_of("aten::max_pool2d_with_indices_backward") == "pooling"
+    assert profile.kind_of("aten::empty") == "other"
 
 
 def test_missing_option_is_skipped_with_a_reason(monkeypatch):
@@ -130,7 +158,7 @@ def test_accuracy_against_wall_time(tmp_path):
 
 def test_a_folder_of_any_size_keeps_the_class_proportions(tmp_path):
     names, samples = list_images(str(SAMPLE))
-    pictures, repeats = endtoend.sized_folder(str(SAMPLE), 300, tmp_path)
+    pictures, repeats = instruments.sized_folder(str(SAMPLE), 300, tmp_path)
     assert (pictures, repeats) == (120, 3)
     made_names, made = list_images(str(tmp_path))
     assert made_names == names and len(made) == 300

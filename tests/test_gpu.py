@@ -24,7 +24,8 @@ from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.loaders import build_loaders, readable_split
 from multi_train_utils.train_eval_utils import build_training, place_model, train_one_epoch
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.slow]
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.slow,
+              pytest.mark.gpu]
 
 ON_GPU = ["--device", "cuda", "--img-size", "64", "--batch-size", "16", "--workers", "2"]
 CUDA = torch.device("cuda", 0)
