@@ -14,6 +14,9 @@
     # wall clock of whole train_single_gpu.py commands on a folder of 3,670 images (DATA's, repeated)
     python -m benchmarks endtoend --data-path DATA --images 3670 --epochs 10 --variant '' --variant=--device-augment
 
+    # where one training step of 256 spends the device's time, by kind of kernel, against its FLOPs
+    python -m benchmarks profile --data-path DATA --batch-size 256 --out docs/benchmark/gpu-profile.json
+
 These are the commands behind the results in docs/benchmark/, where DATA is a folder of real
 photos, one sub-folder per class (the README's Performance section names the one used). Run
 them from the repository root: the package imports the project's modules from there.
@@ -34,6 +37,6 @@ How the throughput is measured, and why:
   own work plus any wait for data; warm-up steps, which include torch.compile, are excluded.
 
 Modules: `seed_recipe` (the seed, frozen) and `ours_recipe` (our configurations) are what is
-measured; `instruments` is what measures and records; `throughput`, `data`, `accuracy` and
-`endtoend` are the experiments, and `__main__` their command line.
+measured; `instruments` is what measures and records; `throughput`, `data`, `accuracy`, `endtoend` and
+`profile` are the experiments, and `__main__` their command line.
 """
