@@ -10,6 +10,7 @@ import json
 import os
 import random
 import shutil
+import stat
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -212,13 +213,45 @@ def split_samples(samples: list[Sample], class_names: list[str], val_rate: float
     return DataSplit(class_names, train, val)
 
 
-def save_split(split: DataSplit, path: Path) -> None:
-    write_json(path, {"class_names": split.class_names, "train": split.train, "val": split.val})
+def file_stamp(path: str) -> list[int] | None:
+    """(size, modification time in ns) of a file, or None when it is gone: what tells a file
+    that changed since a run recorded it, without reading it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns] if stat.S_ISREG(st.st_mode) else None
+
+
+def save_split(split: DataSplit, path: Path, data_path: str) -> None:
+    """split.json: the run's classes and files, the folder they were listed from, and each
+    file's stamp (a resumed run trains on exactly these, and checks them by their stamps)."""
+    write_json(path, {"class_names": split.class_names, "train": split.train, "val": split.val,
+                      "data_path": os.path.abspath(data_path),
+                      "stamps": [file_stamp(p) for p, _ in split.train + split.val]})
 
 
 def load_split(path: Path) -> DataSplit:
-    obj = json.loads(Path(path).read_text())
+    return _split_of(json.loads(Path(path).read_text()))
+
+
+def _split_of(obj: dict[str, Any]) -> DataSplit:
     return DataSplit(obj["class_names"], [(p, int(c)) for p, c in obj["train"]], [(p, int(c)) for p, c in obj["val"]])
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedSplit:
+    """A run's split.json: the split, the folder it was listed from (None in files written
+    before runs recorded it), and each file's stamp in train + val order (None likewise)."""
+
+    split: DataSplit
+    data_path: str | None
+    stamps: list[list[int] | None] | None
+
+
+def load_recorded_split(path: Path) -> RecordedSplit:
+    obj = json.loads(Path(path).read_text())
+    return RecordedSplit(_split_of(obj), obj.get("data_path"), obj.get("stamps"))
 
 
 def write_json(path: Path, obj: Any) -> None:

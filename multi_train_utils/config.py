@@ -136,6 +136,10 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     run.add_argument("--output-dir", default=None, help="run folder (default: runs/<launcher>-<time>)")
     run.add_argument("--resume", default=None, metavar="PATH|auto",
                      help="continue from a checkpoint; 'auto' takes <output-dir>/last.pth when it exists")
+    run.add_argument("--drop-missing", action=BoolFlag,
+                     help="on --resume: go on without the run's files that are gone or no longer decode (else an error)")
+    run.add_argument("--data-moved", action=BoolFlag,
+                     help="on --resume: the run's files moved to --data-path, each at the same place under it")
     run.add_argument("--eval-only", action=BoolFlag, help="evaluate --resume (or --weights) on the validation split")
     run.add_argument("--plots", action=BoolFlag, default=True,
                      help="draw the run's PNGs at its end (a few seconds); `python plots.py RUN_DIR` draws them later")
@@ -193,6 +197,8 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
         raise UserError("--eval-only needs --resume PATH or --weights PATH to evaluate")
     parse_device(args.device)  # a malformed --device fails here, before any process starts
     parse_dist_url(getattr(args, "dist_url", "env://"))
+    if (args.drop_missing or args.data_moved) and not args.resume:
+        raise UserError("--drop-missing and --data-moved are about a resumed run's files: they need --resume")
     if args.resume == "auto" and args.output_dir is None:
         raise UserError("--resume auto needs --output-dir (it looks for <output-dir>/last.pth)")
     if args.weights and args.weights != "imagenet":

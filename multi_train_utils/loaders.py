@@ -4,6 +4,7 @@ their distributed samplers."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import mmap
 import os
 import secrets
@@ -13,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,14 +47,112 @@ from my_dataset import (
     size_schedule,
     train_transforms,
 )
-from utils import DataSplit, UserError, drop_unreadable, find_unreadable, load_rgb, split_samples
+from utils import (
+    SPLIT_FILE,
+    DataSplit,
+    RecordedSplit,
+    Sample,
+    UserError,
+    cpu_count,
+    drop_unreadable,
+    file_stamp,
+    find_unreadable,
+    load_recorded_split,
+    load_rgb,
+    split_samples,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunData:
+    """The files a run trains and evaluates on, fixed when it started."""
+
+    split: DataSplit
+    root: str  # the folder they are under, recorded with them
+    lost_files: bool = False  # a resumed run goes on without recorded files: a position inside an epoch no longer holds
+
+
+def run_data(plan: Plan, resume_path: str | None, ctx: DistContext) -> RunData:
+    """A new run's split of the folder (readable_split). A resumed run's is the one its
+    split.json recorded, beside the checkpoint: the folder is not split again, whatever was
+    added to it or removed since, and the files are not decoded again, only compared with their
+    recorded size and time (recorded_files). Rank 0 reads and checks; every rank gets its verdict."""
+    recorded = Path(resume_path).parent / SPLIT_FILE if resume_path and not plan.args.eval_only else None
+    if recorded is None or not recorded.is_file():
+        if recorded is not None:
+            ctx.print0(f"warning: {recorded} does not exist (a run folder from before runs recorded their files): "
+                       f"{plan.args.data_path} is listed and split again, and files added or removed since the run "
+                       "started change its split")
+        return RunData(readable_split(plan, ctx), plan.args.data_path)
+    verdict = broadcast_object(_recorded_or_error(plan, recorded) if ctx.is_main else None, ctx)
+    if isinstance(verdict, str):
+        raise UserError(verdict)
+    data, lines = verdict
+    for line in lines:
+        ctx.print0(line)
+    return data
+
+
+def _recorded_or_error(plan: Plan, recorded: Path) -> tuple[RunData, list[str]] | str:
+    try:
+        return recorded_files(plan, load_recorded_split(recorded), recorded)
+    except UserError as e:
+        return str(e)
+
+
+def recorded_files(plan: Plan, record: RecordedSplit, source: Path) -> tuple[RunData, list[str]]:
+    """The recorded split, checked: every file still there with its recorded size and time
+    (a changed one must still decode), and what to say about it. Files gone or unreadable are
+    an error, or with --drop-missing left out; files added to the folder since are not used."""
+    args, split, lines = plan.args, record.split, []
+    root = record.data_path or args.data_path
+    if args.data_moved:
+        split = _moved(split, root, args.data_path)
+        lines.append(f"{source}: the run's files are read under {args.data_path}, where they moved from {root}")
+        root = args.data_path
+    moved_hint = ""
+    if not args.data_moved and os.path.abspath(args.data_path) != os.path.abspath(root):
+        moved_hint = f"; if they moved to {args.data_path}, add --data-moved"
+        lines.append(f"{source}: the run's files under {root} are used, not --data-path {args.data_path} "
+                     "(if they moved there, add --data-moved)")
+    files = [p for p, _ in split.train + split.val]
+    stamps = record.stamps or [None] * len(files)
+    gone = [p for p, stamp in zip(files, stamps) if file_stamp(p) is None]
+    changed = [p for p, stamp in zip(files, stamps) if stamp is not None and file_stamp(p) not in (None, stamp)]
+    bad = gone + [p for p, _ in find_unreadable(changed, threads=cpu_count())]
+    if bad and not args.drop_missing:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise UserError(f"{len(bad)} of the run's {len(files)} files are gone or no longer decode ({shown}); "
+                        f"{source} is the run's split: restore them, or resume with --drop-missing to go on without "
+                        f"them{moved_hint}")
+    if bad:
+        left_out = set(bad)
+        split = DataSplit(split.class_names, [s for s in split.train if s[0] not in left_out],
+                          [s for s in split.val if s[0] not in left_out])
+        lines.append(f"--drop-missing: left out {len(record.split.train) - len(split.train)} training and "
+                     f"{len(record.split.val) - len(split.val)} validation image(s) that are gone or no longer decode")
+    same_folder = os.path.abspath(root) == os.path.abspath(args.data_path)
+    new = len({os.path.abspath(p) for p, _ in plan.samples} - {os.path.abspath(p) for p in files}) if same_folder else 0
+    if new:
+        lines.append(f"{new} image(s) added to {args.data_path} since the run started are not used: to train on them, "
+                     "start a new run (another --output-dir, without --resume)")
+    return RunData(split, root, lost_files=bool(bad)), lines
+
+
+def _moved(split: DataSplit, old_root: str, new_root: str) -> DataSplit:
+    """The split's files, each at the same place under `new_root` as it was under `old_root`."""
+    def move(samples: list[Sample]) -> list[Sample]:
+        return [(os.path.join(new_root, os.path.relpath(p, old_root)), label) for p, label in samples]
+
+    return DataSplit(split.class_names, move(split.train), move(split.val))
 
 
 def readable_split(plan: Plan, ctx: DistContext) -> DataSplit:
     """Leave out files that do not decode, then split. Each rank decodes 1/world_size of the
-    files and the ranks swap their findings, so every rank ends with the same split."""
+    files, with the threads of its share of the machine, and the ranks swap their findings, so
+    every rank ends with the same split."""
     paths = [p for p, _ in plan.samples]
-    mine = find_unreadable(paths[ctx.rank :: ctx.world_size], threads=torch.get_num_threads())
+    mine = find_unreadable(paths[ctx.rank :: ctx.world_size], threads=max(1, cpu_count() // ctx.local_world_size))
     unreadable = dict(pair for part in gather_objects(mine, ctx) for pair in part)
     for path, reason in sorted(unreadable.items()):
         ctx.print0(f"warning: leaving out {path}: {reason}")

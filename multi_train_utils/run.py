@@ -30,7 +30,7 @@ from multi_train_utils.checkpoint import (
 )
 from multi_train_utils.config import Plan, split_summary
 from multi_train_utils.distributed_utils import DistContext, TerminationRequest, barrier, broadcast_buffers
-from multi_train_utils.loaders import build_loaders, readable_split
+from multi_train_utils.loaders import build_loaders, run_data
 from multi_train_utils.report import evaluation_report, report_line, write_report
 from multi_train_utils.run_folder import (
     BEST,
@@ -59,9 +59,10 @@ from utils import DataSplit, Preempted, write_json
 
 def run(plan: Plan, ctx: DistContext) -> None:
     args = plan.args
-    split = readable_split(plan, ctx)
     output_dir = prepare_output_dir(plan, ctx)
     resume_path = resolve_resume(plan, output_dir, ctx)
+    data = run_data(plan, resume_path, ctx)
+    split = data.split
     announce(plan, split, output_dir, ctx)
     checkpoint = load_checkpoint(resume_path) if resume_path else None
     placed = build_model(args, split.class_names, checkpoint, resume_path, ctx)
@@ -70,10 +71,10 @@ def run(plan: Plan, ctx: DistContext) -> None:
         evaluate_only(placed, val_loader, split, resume_path or args.weights, output_dir, args.plots, ctx)
         return
     training = build_training(placed, args, ctx, len(train_loader))
-    progress = resume(training, checkpoint, resume_path, args, ctx)
+    progress = resume(training, checkpoint, resume_path, args, data.lost_files, ctx)
     del checkpoint  # the optimizer state is in the optimizer now: no second copy
     if ctx.is_main:
-        write_run_files(output_dir, plan, split, progress.epoch, ctx)
+        write_run_files(output_dir, plan, data, progress.epoch, ctx)
     train_epochs(training, train_loader, val_loader, plan, split, progress, output_dir, ctx)
     best = use_best_weights(output_dir, training.placed.module, ctx)
     final_report(training.placed, val_loader, split, best, output_dir, ctx)
@@ -113,10 +114,10 @@ def build_model(args: argparse.Namespace, class_names: list[str], checkpoint: di
 
 
 def resume(training: Training, checkpoint: dict[str, Any] | None, source: str | None, args: argparse.Namespace,
-           ctx: DistContext) -> Progress:
+           lost_files: bool, ctx: DistContext) -> Progress:
     """Where the run stands: nowhere yet, or where `checkpoint` left it (the optimizer and the
-    scaler restored). A position inside an epoch holds only for the same processes and batch:
-    elsewhere that epoch starts over."""
+    scaler restored). A position inside an epoch holds only for the same processes, batch and
+    files: elsewhere that epoch starts over."""
     if checkpoint is None:
         return Progress()
     progress = restore_progress(checkpoint, training.optimizer, training.scaler,
@@ -125,7 +126,11 @@ def resume(training: Training, checkpoint: dict[str, Any] | None, source: str | 
     if progress.steps_in_epoch:
         same_steps = (checkpoint["world_size"] == ctx.world_size and checkpoint["args"]["batch_size"] == args.batch_size
                       and checkpoint["args"].get("accum_steps", 1) == args.accum_steps)
-        if same_steps:
+        if lost_files:
+            message += (f"; it stopped inside epoch {progress.epoch + 1}, whose order of images held the files "
+                        "left out, so that epoch starts over")
+            progress = Progress(progress.epoch, progress.best_acc)
+        elif same_steps:
             message += f"; epoch {progress.epoch + 1} goes on after step {progress.steps_in_epoch}"
         else:
             message += (f"; it stopped inside epoch {progress.epoch + 1} with {checkpoint['world_size']} process(es) "

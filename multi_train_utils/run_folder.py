@@ -17,7 +17,8 @@ from torch.utils.tensorboard import SummaryWriter
 from multi_train_utils.checkpoint import copy_atomic, save_atomic
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import DistContext, broadcast_object
-from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, DataSplit, UserError, save_split, write_json
+from multi_train_utils.loaders import RunData
+from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, UserError, save_split, write_json
 
 LAST, BEST = "last.pth", "best.pth"
 TENSORBOARD_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "train_images_per_sec")
@@ -54,13 +55,13 @@ def resolve_resume(plan: Plan, output_dir: Path, ctx: DistContext) -> str | None
     return str(output_dir / LAST) if broadcast_object(found, ctx) else None
 
 
-def write_run_files(output_dir: Path, plan: Plan, split: DataSplit, epochs_done: int, ctx: DistContext) -> None:
-    """What a run records once: its configuration, classes and exact split. A resumed run
-    also forgets the epochs its checkpoint does not hold."""
+def write_run_files(output_dir: Path, plan: Plan, data: RunData, epochs_done: int, ctx: DistContext) -> None:
+    """What a run records: its configuration, classes and exact split, the files a resumed run
+    trains on again. A resumed run also forgets the epochs its checkpoint does not hold."""
     write_json(output_dir / CONFIG_FILE, {**vars(plan.args), "launcher": plan.launcher, "world_size": ctx.world_size,
                                           "torch": torch.__version__})
-    write_json(output_dir / "class_indices.json", dict(enumerate(split.class_names)))
-    save_split(split, output_dir / SPLIT_FILE)
+    write_json(output_dir / "class_indices.json", dict(enumerate(data.split.class_names)))
+    save_split(data.split, output_dir / SPLIT_FILE, data.root)
     restore_metrics(output_dir / METRICS_FILE, epochs_done)
 
 
