@@ -1,4 +1,4 @@
-"""`python -m benchmarks {throughput,data,accuracy,endtoend,profile}`: the command line of the experiments."""
+"""`python -m benchmarks {throughput,data,accuracy,endtoend,profile,startup}`: the command line of the experiments."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,7 @@ from benchmarks.data import data_paths
 from benchmarks.endtoend import endtoend
 from benchmarks.ours_recipe import CONFIGS
 from benchmarks.profile import profile_steps
+from benchmarks.startup import startup
 from benchmarks.throughput import throughput
 from multi_train_utils.config import BoolFlag
 from utils import exit_on_error
@@ -89,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--options", default="", type=str.split, metavar="OPTIONS",
                    help="the launchers' options on top of the defaults, e.g. --options '--compile'")
+
+    s = sub.add_parser("startup", help="seconds to the first step and peak memory, new run and resume, by folder size")
+    common(s, "docs/benchmark/cpu-startup.json", 32)
+    s.add_argument("--images", type=int, nargs="+", default=[3670, 20000, 100000],
+                   help="folder sizes, hard links to --data-path's pictures")
+    s.add_argument("--options", default="", type=str.split, metavar="OPTIONS",
+                   help="the launcher's options on top of the defaults, e.g. --options '--cache'")
     return parser
 
 
@@ -96,7 +104,7 @@ def main() -> None:
     args = build_parser().parse_args()
     with exit_on_error():
         {"throughput": throughput, "data": data_paths, "accuracy": accuracy, "endtoend": endtoend,
-         "profile": profile_steps}[args.command](args)
+         "profile": profile_steps, "startup": startup}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -181,6 +181,7 @@ def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataL
     writer = SummaryWriter(log_dir=str(output_dir)) if ctx.is_main else contextlib.nullcontext()
     with TerminationRequest() as termination, writer:
         training = dataclasses.replace(training, stop_requested=termination)
+        ctx.print0(f"training: epoch {progress.epoch + 1} of {args.epochs}, {len(train_loader)} batches per process")
         for epoch in range(progress.epoch + 1, args.epochs + 1):
             started = time.perf_counter()
             train = train_or_stop(training, train_loader, epoch, progress, args, split, output_dir, ctx)

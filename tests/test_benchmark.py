@@ -183,3 +183,18 @@ def test_end_to_end_times_a_whole_command(tmp_path):
     assert m["epochs"] == 2 and 0 < m["epochs_seconds"] < m["to_last_checkpoint_seconds"] < m["wall_seconds"]
     assert m["outside_epochs_seconds"] == pytest.approx(m["wall_seconds"] - m["epochs_seconds"], abs=0.02)
     assert 0 <= m["data_wait_share"] < 1
+
+
+@pytest.mark.slow
+def test_startup_times_a_new_run_and_its_resume(tmp_path):
+    out = tmp_path / "startup.json"
+    result = ok(run_cli([*BENCHMARKS, "startup", *TINY, "--images", "120", "150", "--options", "--workers 0",
+                         "--out", str(out)]))
+    data = json.loads(out.read_text())
+    assert [r["images"] for r in data["rows"]] == [120, 150]
+    for row in data["rows"]:
+        assert not row["new"]["resumed"] and row["resume"]["resumed"]
+        for kind in ("new", "resume"):
+            assert 0 < row[kind]["seconds_to_first_step"] < 60 and row[kind]["peak_rss_mb"] > 100
+    assert set(data["per_10000_images"]) == {"new", "resume"}
+    assert "| per 10,000 more |" in result.stdout
