@@ -111,7 +111,9 @@ class TrainTransforms:
         self.built: dict[int, v2.Compose] = {}
 
     def __call__(self, epoch: int) -> v2.Compose:
-        size = self.sizes(epoch)
+        return self.at_size(self.sizes(epoch))
+
+    def at_size(self, size: int) -> v2.Compose:
         if size not in self.built:
             self.built[size] = build_transform(size, train=True, augmentation=self.augmentation)
         return self.built[size]
@@ -190,8 +192,9 @@ class PixelCache(Protocol):
 class MyDataSet(Dataset):
     """(image, label) pairs from a list of (path, label).
 
-    A key is either an index or an (epoch, index) pair from `EpochSampler`. For a pair, the
-    transform is that epoch's where `transform` is a TrainTransforms, and
+    A key is either an index or an (epoch, index) pair from `EpochSampler`, or an (epoch,
+    index, crop size) triple. For a pair, the transform is that epoch's where `transform` is a
+    TrainTransforms (for a triple, that size's), and
     the random augmentation is seeded by (seed, epoch, index): the same image gets the same crop
     in the same epoch whatever the world size, the number of loader workers, or whether the
     run was resumed, which is what makes resumed and repeated runs exact.
@@ -208,15 +211,17 @@ class MyDataSet(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
-        epoch, index = key if isinstance(key, tuple) else (None, key)
+    def __getitem__(self, key: int | tuple[int, ...]) -> tuple[torch.Tensor, int]:
+        epoch, index, *size = key if isinstance(key, tuple) else (None, key)
         path, label = self.samples[index]
         try:
             img = self.cache.get(path) if self.cache is not None else decode(path, self.min_size)
         except Exception as e:
             # Unreadable files were left out at start-up; this one changed since.
             raise RuntimeError(f"cannot decode {path}: {e}") from e
-        transform = self.transform(epoch or 1) if isinstance(self.transform, TrainTransforms) else self.transform
+        transform = self.transform
+        if isinstance(transform, TrainTransforms):
+            transform = transform.at_size(size[0]) if size else transform(epoch or 1)
         if epoch is None:
             return transform(img), label
         with torch.random.fork_rng(devices=[]):
@@ -244,8 +249,8 @@ class CropDraws(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
-        epoch, index = key
+    def __getitem__(self, key: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+        epoch, index = key[:2]  # a crop size after them is DeviceCrops' business
         frame = torch.empty(0, *self.shapes[index])  # only its size is read
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(image_seed(self.seed, epoch, index))
@@ -299,6 +304,10 @@ class EpochSampler(Sampler[tuple[int, int]]):
         self.sampler = sampler
         self.epoch = 0
         self.skip = 0
+        # Set by a run that sizes progressive resizing once it knows its epoch count
+        # (--time-budget): the keys then carry the epoch's crop size to the loader workers,
+        # whose copies of the dataset were made before the count was known.
+        self.sizes: SizeSchedule | None = None
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         self.epoch = epoch
@@ -306,7 +315,11 @@ class EpochSampler(Sampler[tuple[int, int]]):
         self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        return ((self.epoch, i) for i in itertools.islice(self.sampler, self.skip, None))
+        indices = itertools.islice(self.sampler, self.skip, None)
+        if self.sizes is None:
+            return ((self.epoch, i) for i in indices)
+        size = self.sizes(self.epoch)
+        return ((self.epoch, i, size) for i in indices)
 
     def __len__(self) -> int:
         return max(0, len(self.sampler) - self.skip)

@@ -2,8 +2,9 @@
 atomically, read without running code. Also reading the weight files that --weights names.
 
 A checkpoint is everything needed to continue: the unwrapped model's weights, the optimizer,
-the loss scaler, the epochs done, the best accuracy so far, the configuration and the class
-names. The learning-rate schedule is a function of the step, so there is nothing of it to save.
+the loss scaler, the epochs done (and the epoch count --time-budget fixed), the best accuracy
+so far, the configuration and the class names. The learning-rate schedule is a function of the
+step, so there is nothing of it to save.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class Progress:
     # images) over all processes.
     steps_in_epoch: int = 0
     epoch_sums: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # The epochs the run trains in all, as --time-budget fixed them after epoch 1; None: --epochs.
+    budget_epochs: int | None = None
 
     def record(self, epoch: int, val_acc: float) -> bool:
         """Note a finished epoch; True when its accuracy is the best so far."""
@@ -62,6 +65,7 @@ def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
         "best_acc": progress.best_acc,
         "steps_in_epoch": progress.steps_in_epoch,
         "epoch_sums": list(progress.epoch_sums),
+        "budget_epochs": progress.budget_epochs,
         "args": vars(args),
         "class_names": class_names,
         "world_size": world_size,  # informative: a checkpoint resumes at any world size
@@ -104,7 +108,7 @@ def restore_progress(checkpoint: dict[str, Any], optimizer: torch.optim.Optimize
     if ema is not None:
         ema.load_state_dict(checkpoint.get("ema", checkpoint["model"]))
     return Progress(checkpoint["epoch"], checkpoint["best_acc"], checkpoint.get("steps_in_epoch", 0),
-                    tuple(checkpoint.get("epoch_sums", (0.0, 0.0, 0.0))))
+                    tuple(checkpoint.get("epoch_sums", (0.0, 0.0, 0.0))), checkpoint.get("budget_epochs"))
 
 
 def save_atomic(obj: Any, path: Path) -> None:

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from multi_train_utils.budget import budget_seconds
 from multi_train_utils.checkpoint import load_checkpoint, read_state_dict
 from multi_train_utils.distributed_utils import parse_device, parse_dist_url
 from model import DEFAULT_MODEL, check_model_name
@@ -74,7 +75,10 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
                       help="data-loader processes per training process (default: CPUs per process - 1, at most 8)")
 
     train = p.add_argument_group("training")
-    train.add_argument("--epochs", type=int, default=30)
+    train.add_argument("--epochs", type=int, default=30, help="the most epochs the run trains")
+    train.add_argument("--time-budget", default=None, metavar="DURATION",
+                       help="train and evaluate for at most this long (600 or 600s, 10m, 1.5h): epoch 1 is timed, "
+                            "and the schedule is sized to the epochs that fit (at most --epochs)")
     train.add_argument("--batch-size", type=int, default=16, help="images per process and step")
     train.add_argument("--lr", type=float, default=0.1,
                        help="learning rate for a global batch of 256; the run uses lr * global_batch / 256")
@@ -188,6 +192,7 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     check_recipe(args)
+    budget_seconds(args)  # a malformed --time-budget fails here
     check_model_name(args.model)
     if args.workers is not None and args.workers < 0:
         raise UserError("--workers cannot be negative")

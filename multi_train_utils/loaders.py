@@ -244,7 +244,7 @@ class DeviceAugmentedLoader:
         return len(self.draws)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        size = self.sizes(self.sampler.epoch or 1)
+        size = (self.sampler.sizes or self.sizes)(self.sampler.epoch or 1)
         for draws, labels in self.draws:
             yield self.crops(draws, size), labels
 

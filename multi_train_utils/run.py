@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,14 @@ from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 
 from model import create_model, freeze_backbone
+from multi_train_utils.budget import (
+    Deadline,
+    EpochTime,
+    budget_message,
+    budget_seconds,
+    epochs_that_fit,
+    run_sizes,
+)
 from multi_train_utils.checkpoint import (
     Progress,
     load_checkpoint,
@@ -29,13 +38,20 @@ from multi_train_utils.checkpoint import (
     shipped_weights,
 )
 from multi_train_utils.config import Plan, split_summary
-from multi_train_utils.distributed_utils import DistContext, TerminationRequest, barrier, broadcast_buffers
+from multi_train_utils.distributed_utils import (
+    DistContext,
+    TerminationRequest,
+    barrier,
+    broadcast_buffers,
+    broadcast_object,
+)
 from multi_train_utils.loaders import build_loaders, run_data
 from multi_train_utils.report import evaluation_report, report_line, write_report
 from multi_train_utils.run_folder import (
     BEST,
     LAST,
     prepare_output_dir,
+    record_budget_epochs,
     resolve_resume,
     save_epoch,
     save_position,
@@ -45,6 +61,7 @@ from multi_train_utils.train_eval_utils import (
     PlacedModel,
     StoppedInEpoch,
     Training,
+    build_schedule,
     build_training,
     evaluate,
     global_batch,
@@ -58,6 +75,7 @@ from utils import DataSplit, Preempted, write_json
 
 
 def run(plan: Plan, ctx: DistContext) -> None:
+    started = clock()
     args = plan.args
     output_dir = prepare_output_dir(plan, ctx)
     resume_path = resolve_resume(plan, output_dir, ctx)
@@ -75,11 +93,15 @@ def run(plan: Plan, ctx: DistContext) -> None:
     del checkpoint  # the optimizer state is in the optimizer now: no second copy
     if ctx.is_main:
         write_run_files(output_dir, plan, data, progress.epoch, ctx)
+    epochs_started = clock()
     train_epochs(training, train_loader, val_loader, plan, split, progress, output_dir, ctx)
+    epochs_ended = clock()
     best = use_best_weights(output_dir, training.placed.module, ctx)
     final_report(training.placed, val_loader, split, best, output_dir, ctx)
     if ctx.is_main and args.plots:
         save_run_plots(output_dir, split, args.img_size, args.seed)
+    ctx.print0(f"time: start-up {epochs_started - started:.1f}s, epochs {epochs_ended - epochs_started:.1f}s, "
+               f"final report and plots {clock() - epochs_ended:.1f}s")
     ctx.print0(f"done: best val_acc {progress.best_acc:.4f}; checkpoints and logs in {output_dir}")
 
 
@@ -135,7 +157,7 @@ def resume(training: Training, checkpoint: dict[str, Any] | None, source: str | 
         else:
             message += (f"; it stopped inside epoch {progress.epoch + 1} with {checkpoint['world_size']} process(es) "
                         f"of batch {checkpoint['args']['batch_size']}, so that epoch starts over")
-            progress = Progress(progress.epoch, progress.best_acc)
+            progress = dataclasses.replace(progress, steps_in_epoch=0, epoch_sums=(0.0, 0.0, 0.0))
     ctx.print0(message)
     return progress
 
@@ -174,26 +196,84 @@ def final_report(placed: PlacedModel, val_loader: DataLoader, split: DataSplit, 
         write_report(output_dir, report)
 
 
+# The epochs' stopwatch, which --time-budget counts by; tests replace it to fake slow epochs.
+clock = time.perf_counter
+
+
 def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataLoader, plan: Plan, split: DataSplit,
                  progress: Progress, output_dir: Path, ctx: DistContext) -> None:
-    """Train, evaluate and save, epoch after epoch, from where `progress` stands."""
+    """Train, evaluate and save, epoch after epoch, from where `progress` stands. Under
+    --time-budget, epoch 1 fixes how many epochs the run trains, and the run ends early when
+    the next epoch's training would not fit in what is left of the budget."""
     args = plan.args
+    budget = budget_seconds(args)
     writer = SummaryWriter(log_dir=str(output_dir)) if ctx.is_main else contextlib.nullcontext()
     with TerminationRequest() as termination, writer:
         training = dataclasses.replace(training, stop_requested=termination)
-        ctx.print0(f"training: epoch {progress.epoch + 1} of {args.epochs}, {len(train_loader)} batches per process")
-        for epoch in range(progress.epoch + 1, args.epochs + 1):
-            started = time.perf_counter()
+        if progress.budget_epochs:  # resumed: the count stays the one fixed before
+            training = sized_to(progress.budget_epochs, training, train_loader, args, output_dir, ctx)
+        deadline = Deadline(budget or math.inf)
+        ctx.print0(f"training: epoch {progress.epoch + 1} of {epochs_of(progress, args)}, "
+                   f"{len(train_loader)} batches per process")
+        epoch = progress.epoch + 1
+        while epoch <= epochs_of(progress, args):
+            if budget and not agree_to_go_on(deadline, epoch, progress, args, ctx):
+                break
+            steps_before = progress.steps_in_epoch
+            started = clock()
             train = train_or_stop(training, train_loader, epoch, progress, args, split, output_dir, ctx)
-            train_seconds = time.perf_counter() - started
+            trained = clock()
             val, better = evaluate_epoch(training, val_loader, ctx)
-            record = epoch_record(epoch, train, val, training, split, train_seconds,
-                                  time.perf_counter() - started - train_seconds, ctx)
+            took = EpochTime(trained - started, clock() - trained)
+            deadline.note(took)
+            record = epoch_record(epoch, train, val, training, split, took.train, took.eval, ctx)
             is_best = progress.record(epoch, max(val["val_acc"], val.get("ema_val_acc", 0.0)))  # the better one's
+            if budget and progress.budget_epochs is None:
+                whole = EpochTime(took.train * (1 + steps_before / max(1, len(train_loader))), took.eval)
+                progress.budget_epochs = fix_epochs(budget, whole, args, ctx)
+                training = sized_to(progress.budget_epochs, training, train_loader, args, output_dir, ctx)
             if ctx.is_main:
                 save_epoch(output_dir, checkpoint_of(training, progress, args, split, ctx, better), record, is_best,
                            writer)
-                print(epoch_line(record, args.epochs, is_best), flush=True)
+                print(epoch_line(record, epochs_of(progress, args), is_best), flush=True)
+            epoch += 1
+
+
+def epochs_of(progress: Progress, args: argparse.Namespace) -> int:
+    """The epochs the run trains in all: as --time-budget fixed them, else --epochs."""
+    return progress.budget_epochs or args.epochs
+
+
+def fix_epochs(budget: float, first: EpochTime, args: argparse.Namespace, ctx: DistContext) -> int:
+    """The epoch count that fits the budget, from rank 0's epoch 1: one decision for all ranks."""
+    fit = None
+    if ctx.is_main:
+        fit = epochs_that_fit(budget, first, args.epochs, lambda n: run_sizes(args, n))
+        print(budget_message(args.time_budget, fit, args.epochs, first), flush=True)
+    return broadcast_object(fit, ctx)
+
+
+def sized_to(epochs: int, training: Training, train_loader: DataLoader, args: argparse.Namespace, output_dir: Path,
+             ctx: DistContext) -> Training:
+    """`training` with its learning-rate decay, and the loader with its crop sizes, fitted to
+    a run of `epochs` epochs; config.json records the count."""
+    train_loader.sampler.sizes = run_sizes(args, epochs)
+    if ctx.is_main:
+        record_budget_epochs(output_dir, epochs)
+    return dataclasses.replace(training, schedule=build_schedule(args, training.schedule.peak,
+                                                                 training.steps_per_epoch, epochs))
+
+
+def agree_to_go_on(deadline: Deadline, epoch: int, progress: Progress, args: argparse.Namespace,
+                   ctx: DistContext) -> bool:
+    """Whether every rank starts `epoch`: rank 0 decides (its clock), so all stop together."""
+    go_on = deadline.room_for_another() if ctx.is_main else None
+    if broadcast_object(go_on, ctx):
+        return True
+    ctx.print0(f"time budget: {deadline.used:.1f}s of --time-budget {args.time_budget} used and an epoch's training "
+               f"takes up to {deadline.slowest_train:.1f}s: ending after epoch {epoch - 1} of "
+               f"{epochs_of(progress, args)} (the epochs ran slower than epoch 1)")
+    return False
 
 
 def evaluate_epoch(training: Training, val_loader: DataLoader, ctx: DistContext) -> tuple[dict[str, float], str]:
@@ -216,11 +296,12 @@ def train_or_stop(training: Training, train_loader: DataLoader, epoch: int, prog
     the same step, rank 0 saves that position, and the run ends with Preempted."""
     train_loader.sampler.set_epoch(epoch, skip=progress.steps_in_epoch * args.batch_size)
     try:
-        return train_one_epoch(training, train_loader, ctx, epoch, args.epochs, progress.steps_in_epoch,
-                               progress.epoch_sums)
+        return train_one_epoch(training, train_loader, ctx, epoch, epochs_of(progress, args),
+                               progress.steps_in_epoch, progress.epoch_sums)
     except StoppedInEpoch as stop:
         if ctx.is_main:
-            stopped = Progress(epoch - 1, progress.best_acc, stop.steps_done, tuple(stop.sums))
+            stopped = dataclasses.replace(progress, epoch=epoch - 1, steps_in_epoch=stop.steps_done,
+                                          epoch_sums=tuple(stop.sums))
             save_position(output_dir, checkpoint_of(training, stopped, args, split, ctx))
         barrier(ctx)  # no process exits (and no launcher ends the job) before last.pth is on disk
         raise Preempted(f"SIGTERM: every process stopped after step {stop.steps_done} of epoch {epoch}; "

@@ -1,6 +1,7 @@
 """The run folder: rank 0 creates it and writes every file in it; a resumed run finds its place.
 
-    config.json  class_indices.json  split.json     once, at the start
+    config.json  class_indices.json  split.json     once, at the start (--time-budget's
+                                                    epoch count added after epoch 1)
     last.pth  best.pth  metrics.jsonl  TensorBoard  after every epoch
     eval.json                                       with --eval-only
 """
@@ -18,7 +19,7 @@ from multi_train_utils.checkpoint import copy_atomic, save_atomic
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import DistContext, broadcast_object
 from multi_train_utils.loaders import RunData
-from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, UserError, save_split, write_json
+from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, UserError, read_json, save_split, write_json
 
 LAST, BEST = "last.pth", "best.pth"
 TENSORBOARD_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "train_images_per_sec")
@@ -63,6 +64,12 @@ def write_run_files(output_dir: Path, plan: Plan, data: RunData, epochs_done: in
     write_json(output_dir / "class_indices.json", dict(enumerate(data.split.class_names)))
     save_split(data.split, output_dir / SPLIT_FILE, data.root)
     restore_metrics(output_dir / METRICS_FILE, epochs_done)
+
+
+def record_budget_epochs(output_dir: Path, epochs: int) -> None:
+    """Add to config.json the epoch count --time-budget fixed."""
+    path = output_dir / CONFIG_FILE
+    write_json(path, {**read_json(path), "budget_epochs": epochs})
 
 
 def restore_metrics(path: Path, completed_epochs: int) -> None:

@@ -101,9 +101,14 @@ class Schedule:
         return self.peak * (self.final_fraction + (1 - self.final_fraction) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_schedule(args: argparse.Namespace, peak: float, steps_per_epoch: int) -> Schedule:
-    total = max(1, args.epochs * steps_per_epoch)
-    return Schedule(peak, total, min(total - 1, round(args.warmup_epochs * steps_per_epoch)), args.lrf)
+def build_schedule(args: argparse.Namespace, peak: float, steps_per_epoch: int, epochs: int | None = None) -> Schedule:
+    """`epochs`: the count --time-budget fixed after epoch 1 (default --epochs). Epoch 1 runs
+    before that count is known, so under a budget the warm-up covers at least epoch 1 and its
+    length never depends on the count."""
+    total = max(1, (epochs or args.epochs) * steps_per_epoch)
+    warmup = round(args.warmup_epochs * steps_per_epoch)
+    warmup = min(total - 1, warmup) if args.time_budget is None else max(steps_per_epoch, warmup)
+    return Schedule(peak, total, warmup, args.lrf)
 
 
 def global_batch(args: argparse.Namespace, ctx: DistContext) -> int:

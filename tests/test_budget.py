@@ -1,0 +1,108 @@
+"""--time-budget: the duration it takes, the epoch count it derives from a timed epoch 1 (the
+clock is replaced in-process, nothing sleeps), and the count a resumed run keeps."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import FAST, args_for, call_main, copy_sample, metrics, user_error
+
+import multi_train_utils.run
+import train_single_gpu
+from multi_train_utils.budget import EpochTime, epochs_that_fit, parse_duration, run_sizes
+from multi_train_utils.train_eval_utils import build_schedule
+
+
+def test_durations():
+    assert parse_duration("600") == 600 and parse_duration("45s") == 45
+    assert parse_duration("10m") == 600 and parse_duration("1.5h") == 5400
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "10x", "1.5.h", ""])
+def test_bad_budgets_are_one_line_and_exit_2(value, capsys):
+    line = user_error(train_single_gpu.main, ["--time-budget", value], capsys)
+    assert "--time-budget takes a positive duration" in line
+
+
+def test_the_count_is_what_fits_after_epoch_1():
+    plain = args_for("--time-budget", "1h", "--epochs", "100")
+    one_size = lambda n: run_sizes(plain, n)  # noqa: E731
+    assert epochs_that_fit(100, EpochTime(8, 2), 100, one_size) == 10
+    assert epochs_that_fit(100, EpochTime(8, 2), 6, one_size) == 6  # --epochs is the smaller limit
+    assert epochs_that_fit(5, EpochTime(8, 2), 100, one_size) == 1  # too small: the epoch it timed
+    # Progressive resizing: epoch 1 trained at 16 px, later epochs at up to 32 px cost up to 4x.
+    ramp = args_for("--time-budget", "1h", "--epochs", "20", "--img-size", "32", "--min-img-size", "16",
+                    "--ramp-epochs", "10")
+    fit = epochs_that_fit(100, EpochTime(8, 2), 20, lambda n: run_sizes(ramp, n))
+    assert 3 <= fit < 10
+    sizes = run_sizes(ramp, fit)
+    assert sizes(1) == 16 and sizes(sizes.ramp_epochs) == 32 and sizes.ramp_epochs == max(2, round(10 * fit / 20))
+
+
+def test_epoch_1_does_not_depend_on_the_count():
+    args = args_for("--time-budget", "1h", "--epochs", "30")
+    steps = 12
+    schedules = [build_schedule(args, 0.1, steps, epochs) for epochs in (1, 2, 30)]
+    for step in range(steps):
+        assert len({schedule(step) for schedule in schedules}) == 1
+    assert schedules[1](2 * steps - 1) < schedules[2](2 * steps - 1)  # the decay follows the count
+
+
+class FakeClock:
+    """Advances `tick` seconds at every reading, `later_tick` after `readings` of them. The run
+    reads it twice before its first epoch and three times an epoch (start, after training, after
+    evaluation): an epoch takes a tick of training and a tick of evaluation."""
+
+    def __init__(self, tick: float, readings: int = 0, later_tick: float = 0.0):
+        self.now, self.tick, self.readings, self.later_tick = 0.0, tick, readings, later_tick
+
+    def __call__(self) -> float:
+        self.readings -= 1
+        self.now += self.tick if self.readings >= 0 or not self.later_tick else self.later_tick
+        return self.now
+
+
+def train_in_process(data, out, clock, monkeypatch, *extra: str) -> None:
+    monkeypatch.setattr(multi_train_utils.run, "clock", clock)
+    call_main(train_single_gpu.main, ["--data-path", str(data), "--output-dir", str(out), *FAST, "--amp", "off",
+                                      "--epochs", "10", *extra])
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return copy_sample(tmp_path / "data", per_class=5)
+
+
+def test_a_budget_too_small_gives_one_epoch(tiny, tmp_path, monkeypatch, capsys):
+    train_in_process(tiny, tmp_path / "run", FakeClock(10), monkeypatch, "--time-budget", "15")
+    out = capsys.readouterr().out
+    assert "--time-budget 15 has room for that epoch only: training 1 epoch" in out
+    assert [m["epoch"] for m in metrics(tmp_path / "run")] == [1]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["budget_epochs"] == 1
+
+
+@pytest.mark.slow
+def test_slow_epochs_end_early_and_a_resumed_run_keeps_the_count(tiny, tmp_path, monkeypatch, capsys):
+    """Run A's epochs take as long as epoch 1 promised: 100s fit 5 epochs of 20s. Run B's
+    epochs after the first take twice as long: the guard ends it after epoch 3 (100s used, and
+    the next epoch's 20s of training would not fit); resumed, it keeps the count of 5, and
+    ends as A did."""
+    train_in_process(tiny, tmp_path / "a", FakeClock(10), monkeypatch, "--time-budget", "100")
+    assert "--time-budget 100 fits 5 epochs, fewer than --epochs 10: training 5" in capsys.readouterr().out
+
+    train_in_process(tiny, tmp_path / "b", FakeClock(10, readings=5, later_tick=20), monkeypatch,
+                     "--time-budget", "100")
+    out = capsys.readouterr().out
+    assert "ending after epoch 3 of 5" in out
+    assert len(metrics(tmp_path / "b")) == 3
+    assert torch.load(tmp_path / "b" / "last.pth", weights_only=True)["budget_epochs"] == 5
+
+    train_in_process(tiny, tmp_path / "b", FakeClock(10), monkeypatch, "--time-budget", "100", "--resume", "auto")
+    out = capsys.readouterr().out
+    assert "epoch 1 took" not in out  # the count is not measured again
+    assert [m["epoch"] for m in metrics(tmp_path / "b")] == [1, 2, 3, 4, 5]
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["budget_epochs"] == 5
+    for a, b in zip(metrics(tmp_path / "a"), metrics(tmp_path / "b")):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6)
