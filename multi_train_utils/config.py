@@ -199,10 +199,11 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
         read_state_dict(args.weights)  # exists and holds tensors, or a UserError
     if args.resume and args.resume != "auto":
         load_checkpoint(args.resume, mmap=True)  # mapped, so checking costs little
+    log = print if verbose else _quiet
     if args.download and not Path(args.data_path).is_dir():
         # torchrun starts every process at once; a file lock inside lets one of them download.
-        download_flower_photos(args.data_path, log=print if verbose else _quiet)
-    class_names, samples = list_images(args.data_path, args.num_classes)
+        download_flower_photos(args.data_path, log=log)
+    class_names, samples = list_images(args.data_path, args.num_classes, log=log)
     return Plan(args, launcher, class_names, samples)
 
 
