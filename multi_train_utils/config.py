@@ -64,8 +64,8 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
                       help="evaluate at this size instead (resized to size/0.875, centre-cropped); a little larger "
                            "than the training crop often scores better (default: --img-size)")
     data.add_argument("--min-img-size", type=int, default=None,
-                      help="progressive resizing: the training crop of epoch 1, growing to --img-size by "
-                           "--ramp-epochs (default: --img-size throughout)")
+                      help="progressive resizing: the training crop of epoch 1, a multiple of 16, growing to "
+                           "--img-size by --ramp-epochs in multiples of 16 (default: --img-size throughout)")
     data.add_argument("--ramp-epochs", type=int, default=0, help="the epoch by which the crop reaches --img-size")
     data.add_argument("--cache", action=BoolFlag,
                       help="decode and resize every image once and keep the pixels in shared memory "
@@ -208,6 +208,10 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
 
 
 def check_recipe(args: argparse.Namespace) -> None:
+    if args.min_img_size is not None and args.min_img_size % 16:
+        # The ramp's crops are rounded to multiples of 16: any other size would not be epoch 1's
+        # (40 trains at 32, 8 at 0 pixels).
+        raise UserError(f"--min-img-size must be a multiple of 16 (16, 32, 48, ...), not {args.min_img_size}")
     if args.min_img_size is not None and args.min_img_size > args.img_size:
         raise UserError(f"--min-img-size {args.min_img_size} is above --img-size {args.img_size}")
     if args.min_img_size is not None and args.min_img_size < args.img_size and args.ramp_epochs < 2:
