@@ -9,11 +9,12 @@ import threading
 
 import pytest
 import torch
-from conftest import SAMPLE, copy_sample, launcher_cmd, run_cli, user_error
+from conftest import FAST, SAMPLE, copy_sample, launcher_cmd, run_cli, user_error
 
 import train_multi_gpu_using_spawn
 import train_single_gpu
 import utils
+from multi_train_utils import loaders
 from multi_train_utils.config import get_args_parser
 
 
@@ -152,3 +153,14 @@ def test_download_verifies_and_unpacks(tmp_path, monkeypatch):
     names, samples = utils.list_images(str(target))
     assert names == ["daisy", "tulips"] and len(samples) == 4
     assert (target / "LICENSE.txt").exists() and not (target.parent / "flower_photos.tgz").exists()
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--cache", "error: --cache needs "),
+    ("--device-augment", "error: --device-augment keeps the training images on cpu: "),
+])
+def test_a_launcher_refuses_to_keep_images_where_there_is_no_room(option, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(loaders, "_memory_available", lambda: 1024)
+    line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path),
+                                              "--device", "cpu", *FAST, option], capsys)
+    assert line.startswith(message)
