@@ -67,9 +67,20 @@ def main() -> None:
         if loopback:
             print(f"GLOO_SOCKET_IFNAME={loopback} (gloo stays on loopback)")
 
-    context = mp.spawn(worker, args=(plan, world_size, (host, store.port)), nprocs=world_size, join=False)
     # A scheduler may signal the launcher alone: its processes then save where they are and exit (75).
-    signal.signal(signal.SIGTERM, lambda *_: forward_signal(context.processes, signal.SIGTERM))
+    # The handler goes in first: until then a SIGTERM would end the launcher and leave them running.
+    processes: list = []
+    terminated: list[int] = []
+
+    def forward_sigterm(*_) -> None:
+        terminated.append(signal.SIGTERM)
+        forward_signal(processes, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward_sigterm)
+    context = mp.spawn(worker, args=(plan, world_size, (host, store.port)), nprocs=world_size, join=False)
+    processes.extend(context.processes)
+    if terminated:  # it came while they were starting
+        forward_signal(processes, signal.SIGTERM)
     try:
         while not context.join(grace_period=STOP_GRACE_SECONDS):
             pass

@@ -114,20 +114,43 @@ def load_rgb(path: str, min_size: int | None = None) -> Image.Image:
     return img.convert("RGB") if img.mode != "RGB" else img
 
 
-def image_files(folder: str | Path) -> list[str]:
+def image_files(folder: str | Path, seen: set[tuple[int, int]] | None = None,
+                loops: list[str] | None = None) -> list[str]:
     """Every image file below `folder`, in a stable order. Hidden files and folders, and files
-    whose extension is not an image's, are skipped quietly."""
+    whose extension is not an image's, are skipped quietly. Links are followed, but each folder
+    is listed once: a link to a folder already in `seen` (a loop, which would list the same
+    images without end) is not followed, and goes in `loops`."""
+    seen = set() if seen is None else seen
+    seen.add(_folder_id(folder))
     found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        dirnames[:] = [d for d in sorted(dirnames) if not d.startswith(".") and
+                       _first_visit(os.path.join(dirpath, d), seen, loops)]
         found.extend(os.path.join(dirpath, f) for f in sorted(filenames)
                      if not f.startswith(".") and f.lower().endswith(IMG_EXTENSIONS))
     return found
 
 
-def list_images(root: str, num_classes: int | None = None) -> tuple[list[str], list[Sample]]:
+def _folder_id(path: str | Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _first_visit(path: str, seen: set[tuple[int, int]], loops: list[str] | None) -> bool:
+    folder = _folder_id(path)
+    if folder in seen:
+        if loops is not None:
+            loops.append(path)
+        return False
+    seen.add(folder)
+    return True
+
+
+def list_images(root: str, num_classes: int | None = None,
+                log: Callable[[str], None] = print) -> tuple[list[str], list[Sample]]:
     """Class names (sorted sub-folder names) and every image file below them (`image_files`);
-    whether an image actually decodes is checked later by `find_unreadable`."""
+    whether an image actually decodes is checked later by `find_unreadable`. Links back to a
+    folder already listed, and class folders with no images, are left out with a warning."""
     path = Path(root)
     if not path.is_dir():
         raise UserError(
@@ -135,16 +158,22 @@ def list_images(root: str, num_classes: int | None = None) -> tuple[list[str], l
             "sub-folder per class, or add --download to fetch flower_photos"
         )
     class_names = sorted(d.name for d in path.iterdir() if d.is_dir() and not d.name.startswith("."))
-    samples = [(file, label) for label, name in enumerate(class_names) for file in image_files(path / name)]
-    if not samples:
+    # The data folder and every class folder count as listed from the start, so that a link
+    # up to one of them is a loop whichever class folder it sits in.
+    seen = {_folder_id(path), *(_folder_id(path / name) for name in class_names)}
+    loops: list[str] = []
+    files = {name: image_files(path / name, seen, loops) for name in class_names}
+    if loops:
+        log(f"warning: not following links to folders already listed: {', '.join(loops)}")
+    if not any(files.values()):
         raise UserError(
             f"no images found in {root!r}: expected one sub-folder per class holding "
             f"{', '.join(IMG_EXTENSIONS)} files"
         )
-    counts = [0] * len(class_names)
-    for _, label in samples:
-        counts[label] += 1
-    class_names = [n for n, c in zip(class_names, counts) if c]  # a folder of no images is no class
+    empty = [name for name in class_names if not files[name]]
+    if empty:
+        log(f"warning: leaving out folders with no images: {', '.join(empty)}")
+    class_names = [name for name in class_names if files[name]]  # a folder of no images is no class
     if len(class_names) < 2:
         raise UserError(f"found only one class ({class_names[0]!r}) in {root!r}: need at least two")
     if num_classes is not None and num_classes != len(class_names):
@@ -152,8 +181,7 @@ def list_images(root: str, num_classes: int | None = None) -> tuple[list[str], l
             f"--num-classes is {num_classes}, but {root!r} has {len(class_names)} classes "
             f"({', '.join(class_names)}); drop --num-classes to infer it"
         )
-    relabel = {old: new for new, old in enumerate(i for i, c in enumerate(counts) if c)}
-    return class_names, [(p, relabel[label]) for p, label in samples]
+    return class_names, [(file, label) for label, name in enumerate(class_names) for file in files[name]]
 
 
 def _decode_error(path: str) -> str | None:

@@ -65,8 +65,8 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
                       help="evaluate at this size instead (resized to size/0.875, centre-cropped); a little larger "
                            "than the training crop often scores better (default: --img-size)")
     data.add_argument("--min-img-size", type=int, default=None,
-                      help="progressive resizing: the training crop of epoch 1, growing to --img-size by "
-                           "--ramp-epochs (default: --img-size throughout)")
+                      help="progressive resizing: the training crop of epoch 1, a multiple of 16, growing to "
+                           "--img-size by --ramp-epochs in multiples of 16 (default: --img-size throughout)")
     data.add_argument("--ramp-epochs", type=int, default=0, help="the epoch by which the crop reaches --img-size")
     data.add_argument("--cache", action=BoolFlag,
                       help="decode and resize every image once and keep the pixels in shared memory "
@@ -210,14 +210,19 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
         read_state_dict(args.weights)  # exists and holds tensors, or a UserError
     if args.resume and args.resume != "auto":
         load_checkpoint(args.resume, mmap=True)  # mapped, so checking costs little
+    log = print if verbose else _quiet
     if args.download and not Path(args.data_path).is_dir():
         # torchrun starts every process at once; a file lock inside lets one of them download.
-        download_flower_photos(args.data_path, log=print if verbose else _quiet)
-    class_names, samples = list_images(args.data_path, args.num_classes)
+        download_flower_photos(args.data_path, log=log)
+    class_names, samples = list_images(args.data_path, args.num_classes, log=log)
     return Plan(args, launcher, class_names, samples)
 
 
 def check_recipe(args: argparse.Namespace) -> None:
+    if args.min_img_size is not None and args.min_img_size % 16:
+        # The ramp's crops are rounded to multiples of 16: any other size would not be epoch 1's
+        # (40 trains at 32, 8 at 0 pixels).
+        raise UserError(f"--min-img-size must be a multiple of 16 (16, 32, 48, ...), not {args.min_img_size}")
     if args.min_img_size is not None and args.min_img_size > args.img_size:
         raise UserError(f"--min-img-size {args.min_img_size} is above --img-size {args.img_size}")
     if args.min_img_size is not None and args.min_img_size < args.img_size and args.ramp_epochs < 2:

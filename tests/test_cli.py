@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import http.server
+import re
 import shutil
 import sys
 import tarfile
@@ -9,11 +10,12 @@ import threading
 
 import pytest
 import torch
-from conftest import SAMPLE, copy_sample, launcher_cmd, run_cli, user_error
+from conftest import FAST, SAMPLE, copy_sample, launcher_cmd, run_cli, user_error
 
 import train_multi_gpu_using_spawn
 import train_single_gpu
 import utils
+from multi_train_utils import loaders
 from multi_train_utils.config import get_args_parser
 
 
@@ -46,14 +48,15 @@ def test_every_launcher_documents_the_same_options():
                "spawn": "train_multi_gpu_using_spawn.py"}
     for launcher, script in scripts.items():
         text = run_cli([sys.executable, script, "--help"]).stdout
-        for option in ("--data-path", "--download", "--val-rate", "--num-classes", "--epochs", "--batch-size",
-                       "--lr", "--lrf", "--momentum", "--weight-decay", "--warmup-epochs", "--label-smoothing",
-                       "--weights", "--freeze-layers", "--sync-bn", "--img-size", "--workers", "--seed",
-                       "--output-dir", "--resume", "--eval-only", "--backend", "--device", "--num_classes", "--syncBN"):
-            assert option in text, (launcher, option)
-        assert "--device" in text and "the original scripts' spellings" in text
-        assert ("--world-size" in text) == (launcher != "single")
-        assert ("--dist-url" in text) == (launcher != "single")
+        options = set(re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", text))  # whole options: --lrf is not --lr
+        wanted = {"--data-path", "--download", "--val-rate", "--num-classes", "--epochs", "--batch-size",
+                  "--lr", "--lrf", "--momentum", "--weight-decay", "--warmup-epochs", "--label-smoothing",
+                  "--weights", "--freeze-layers", "--sync-bn", "--img-size", "--workers", "--seed",
+                  "--output-dir", "--resume", "--eval-only", "--backend", "--device", "--num_classes", "--syncBN"}
+        assert wanted <= options, (launcher, wanted - options)
+        assert "the original scripts' spellings" in text
+        assert ("--world-size" in options) == (launcher != "single")
+        assert ("--dist-url" in options) == (launcher != "single")
 
 
 @pytest.fixture
@@ -152,3 +155,14 @@ def test_download_verifies_and_unpacks(tmp_path, monkeypatch):
     names, samples = utils.list_images(str(target))
     assert names == ["daisy", "tulips"] and len(samples) == 4
     assert (target / "LICENSE.txt").exists() and not (target.parent / "flower_photos.tgz").exists()
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--cache", "error: --cache needs "),
+    ("--device-augment", "error: --device-augment keeps the training images on cpu: "),
+])
+def test_a_launcher_refuses_to_keep_images_where_there_is_no_room(option, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(loaders, "_memory_available", lambda: 1024)
+    line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path),
+                                              "--device", "cpu", *FAST, option], capsys)
+    assert line.startswith(message)

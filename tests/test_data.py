@@ -1,13 +1,18 @@
 """Image decoding, folder scanning and the split, on real files."""
 from __future__ import annotations
 
+import json
+import os
 import random
+import resource
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import SAMPLE, copy_sample, metrics, ok, train
+from conftest import REPO, SAMPLE, copy_sample, metrics, ok, train
 from PIL import Image
 from torchvision.transforms import v2
 
@@ -101,7 +106,7 @@ def test_decompression_bomb_is_unreadable(tmp_path, monkeypatch):
     assert find_unreadable([str(A_JPEG)], threads=1)[0][1].startswith("DecompressionBombError")
 
 
-def test_listing_skips_hidden_and_non_image_files(tmp_path):
+def test_listing_skips_hidden_and_non_image_files(tmp_path, capsys):
     copy_sample(tmp_path, classes=["daisy", "roses"], per_class=3)
     (tmp_path / "daisy" / ".hidden.jpg").write_bytes(A_JPEG.read_bytes())
     (tmp_path / "daisy" / "notes.txt").write_text("not an image")
@@ -109,9 +114,34 @@ def test_listing_skips_hidden_and_non_image_files(tmp_path):
     (tmp_path / ".cache" / "x.jpg").write_bytes(A_JPEG.read_bytes())
     (tmp_path / "README.md").write_text("top-level files are not classes")
     (tmp_path / "empty_class").mkdir()
+    (tmp_path / "no_images").mkdir()
     names, samples = list_images(str(tmp_path))
     assert names == ["daisy", "roses"]
     assert len(samples) == 6 and {label for _, label in samples} == {0, 1}
+    assert capsys.readouterr().out == "warning: leaving out folders with no images: empty_class, no_images\n"
+
+
+def _small_address_space() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+
+def test_links_back_up_the_data_folder_are_followed_once(tmp_path):
+    """A link to a parent folder, followed blindly, lists the same images without end (a run
+    once grew to 24 GB doing so). The listing runs in a child process with 1 GiB of address
+    space, so that a regression fails here instead of taking the machine down."""
+    data = copy_sample(tmp_path / "data", classes=["daisy", "roses"], per_class=3)
+    (data / "daisy" / "loop").symlink_to("..")
+    (data / "roses" / "up").symlink_to(data)
+    list_and_print = "import json, sys; from utils import list_images; print(json.dumps(list_images(sys.argv[1])))"
+    result = subprocess.run([sys.executable, "-c", list_and_print, str(data)], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, preexec_fn=_small_address_space,
+                            env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    warning, listing = result.stdout.splitlines()
+    assert warning == f"warning: not following links to folders already listed: {data}/daisy/loop, {data}/roses/up"
+    names, samples = json.loads(listing)
+    assert names == ["daisy", "roses"]
+    assert sorted(path for path, _ in samples) == sorted(str(p) for p in data.glob("*/*.jpg"))
 
 
 def test_split_is_stratified_deterministic_and_leaves_global_random_alone():

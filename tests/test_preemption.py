@@ -10,8 +10,9 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST, SAMPLE, kill_group, launcher_cmd, metrics, ok, start, train, wait_for_epochs
+from conftest import FAST, SAMPLE, call_main, kill_group, launcher_cmd, metrics, ok, start, train, wait_for_epochs
 
+import train_multi_gpu_using_spawn
 from model import create_model
 from multi_train_utils import train_eval_utils
 from multi_train_utils.checkpoint import Progress, load_checkpoint
@@ -34,6 +35,38 @@ def test_sigterm_becomes_a_flag_and_the_old_handler_returns():
         os.kill(os.getpid(), signal.SIGTERM)
         assert termination()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+
+def test_a_sigterm_while_the_spawn_launcher_starts_its_processes_reaches_them(tmp_path, monkeypatch):
+    """The launcher's handler is in place before mp.spawn starts anything: a SIGTERM before it
+    would end the launcher by the default action and leave its processes running."""
+    processes = ["process 0", "process 1"]
+    forwarded = []
+
+    class Started:  # what mp.spawn(join=False) returns, its processes already done
+        def __init__(self):
+            self.processes = processes
+
+        def join(self, grace_period):
+            return True
+
+    def spawn(*args, **kwargs):
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, before), "no handler yet"
+        os.kill(os.getpid(), signal.SIGTERM)
+        return Started()
+
+    monkeypatch.setattr(train_multi_gpu_using_spawn.mp, "spawn", spawn)
+    monkeypatch.setattr(train_multi_gpu_using_spawn, "forward_signal",
+                        lambda procs, signum: forwarded.append((list(procs), signum)))
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)  # the launcher may set it
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        call_main(train_multi_gpu_using_spawn.main,
+                  ["--world-size", "2", "--data-path", str(SAMPLE), "--output-dir", str(tmp_path)])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert forwarded[-1] == (processes, signal.SIGTERM)
 
 
 def test_an_epoch_can_start_after_the_samples_already_trained_on():

@@ -35,6 +35,8 @@ CPU = torch.device("cpu")
     (["--model", "resnet-34"], "--model 'resnet-34' is not a torchvision classification model"),
     (["--min-img-size", "64", "--img-size", "32"], "--min-img-size 64 is above --img-size 32"),
     (["--min-img-size", "16", "--img-size", "32"], "--min-img-size needs --ramp-epochs 2 or more"),
+    (["--min-img-size", "8", "--ramp-epochs", "3"], "--min-img-size must be a multiple of 16 (16, 32, 48, ...), not 8"),
+    (["--min-img-size", "40", "--ramp-epochs", "3"], "--min-img-size must be a multiple of 16 (16, 32, 48, ...), not 40"),
     (["--val-img-size", "0"], "--val-img-size must be at least 1"),
     (["--random-erase", "1.5"], "--random-erase is a probability"),
     (["--mixup-alpha", "-1"], "--mixup-alpha and --cutmix-alpha cannot be negative"),

@@ -80,15 +80,20 @@ def test_frozen_backbone_keeps_its_batchnorm_statistics():
 
 @pytest.mark.parametrize("choice, expected", [("off", None), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_amp_choices_train_in_that_precision(choice, expected):
-    """Each explicit --amp value gives its autocast dtype, fp16 with a loss scaler, and trains."""
+    """Each explicit --amp value gives its autocast dtype, fp16 with a loss scaler, and trains
+    in it: the first convolution's output, during the training step, has that dtype."""
     assert autocast_dtype(choice, CPU) == expected
     args = args_for("--amp", choice, "--epochs", "1")
     torch.manual_seed(0)
     placed = place_model(create_model(5), args, CPU)
     training = build_training(placed, args, DistContext.single(), batches_per_epoch=1)
     assert placed.amp_dtype == expected and training.scaler.is_enabled() == (choice == "fp16")
+    conv_dtypes = []
+    first_conv = next(m for m in placed.module.modules() if isinstance(m, torch.nn.Conv2d))
+    first_conv.register_forward_hook(lambda _module, _input, output: conv_dtypes.append(output.dtype))
     result = train_one_epoch(training, [sample_batch(4)], DistContext.single(), epoch=1, epochs=1)
     assert torch.isfinite(torch.tensor(result["train_loss"]))
+    assert conv_dtypes == [expected or torch.float32]
 
 
 def test_amp_auto_follows_the_hardware(monkeypatch):
