@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import convert_sync_batchnorm, create_model
 from multi_train_utils.checkpoint import REQUIRED_KEYS, load_checkpoint
+from multi_train_utils import distributed_utils
 from multi_train_utils.distributed_utils import (
     DistContext,
     ShardSampler,
@@ -107,6 +108,50 @@ def test_shard_sampler_covers_each_index_once():
             shards = [list(ShardSampler(n, DistContext(r, r, world, world, torch.device("cpu"), True)))
                       for r in range(world)]
             assert sorted(sum(shards, [])) == list(range(n))
+
+
+@pytest.fixture
+def threads_of(monkeypatch):
+    """The math threads one of `processes` CPU processes on a 32-core machine sets itself, in
+    the environment `env` and with a launcher started in `launcher_env` (None: unreadable)."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr(distributed_utils, "cpu_count", lambda: 32)
+
+    def threads(processes: int, env: dict[str, str], launcher_env: dict[str, str] | None = None) -> int:
+        for key in ("OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(distributed_utils, "_launcher_environ", lambda: launcher_env)
+        torch.set_num_threads(7)  # a value none of the cases sets
+        distributed_utils._configure_threads(torch.device("cpu"), processes)
+        return torch.get_num_threads()
+
+    yield threads
+    torch.set_num_threads(before)
+
+
+def test_each_cpu_process_gets_its_share_of_the_cores(threads_of):
+    torchrun = {"TORCHELASTIC_RUN_ID": "none"}
+    assert threads_of(2, {}) == 16  # mp.spawn exports nothing
+    # torchrun's own OMP_NUM_THREADS=1: set in torchrun, absent from the environment it started with
+    assert threads_of(2, {**torchrun, "OMP_NUM_THREADS": "1"}, launcher_env={}) == 16
+    assert threads_of(2, {**torchrun, "OMP_NUM_THREADS": "1"}, launcher_env=None) == 16  # no /proc: the rule
+    # the user's choice: given to torchrun, or any other value, or outside torchrun
+    assert threads_of(2, {**torchrun, "OMP_NUM_THREADS": "1"}, launcher_env={"OMP_NUM_THREADS": "1"}) == 7
+    assert threads_of(2, {**torchrun, "OMP_NUM_THREADS": "3"}, launcher_env={"OMP_NUM_THREADS": "3"}) == 7
+    assert threads_of(2, {"OMP_NUM_THREADS": "1"}) == 7
+    assert threads_of(1, {**torchrun, "OMP_NUM_THREADS": "1"}, launcher_env={}) == 7  # torchrun sets it for 2+ only
+
+
+def test_the_launcher_environment_is_the_one_it_started_with():
+    """As torchrun does, a launcher sets a variable after it started, then starts a worker:
+    the worker finds what the launcher was given, not what it set itself."""
+    worker = "from multi_train_utils.distributed_utils import _launcher_environ as e; l = e(); print(l['GIVEN'], 'SET' in l)"
+    launcher = f"import os, subprocess, sys; os.environ['SET'] = '1'; subprocess.run([sys.executable, '-c', {worker!r}])"
+    out = subprocess.run([sys.executable, "-c", launcher], cwd=REPO, env={**os.environ, "GIVEN": "yes"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["yes", "False"], out.stderr
 
 
 def _real_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
