@@ -106,3 +106,4 @@ def test_training_with_cache_counts_every_image_once(tmp_path):
     ok(train("single", tmp_path, "--epochs", "1", "--cache", "--img-size", "48"))
     record = metrics(tmp_path)[0]
     assert record["train_total"] == 95 and record["val_total"] == 25
+    assert record["train_seen"] == 88  # 11 batches of 8: the last 7 images of the shuffle are dropped
