@@ -92,13 +92,36 @@ def _configure_threads(device: torch.device, local_world_size: int) -> None:
     """Give each CPU process its share of the cores.
 
     N processes that each start as many math threads as the machine has cores slow each
-    other down several-fold. torchrun exports OMP_NUM_THREADS=1 for multi-process jobs;
-    mp.spawn exports nothing, so we divide the cores here. An explicit OMP_NUM_THREADS wins.
+    other down several-fold. mp.spawn exports nothing, and torchrun's OMP_NUM_THREADS=1 would
+    leave all but N cores idle, so we divide the cores here. The user's OMP_NUM_THREADS wins.
     """
-    if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+    if device.type != "cpu" or ("OMP_NUM_THREADS" in os.environ and not _torchrun_set_threads(local_world_size)):
         return
     threads = max(1, cpu_count() // local_world_size)
     torch.set_num_threads(threads)
+
+
+def _torchrun_set_threads(local_world_size: int) -> bool:
+    """Whether OMP_NUM_THREADS=1 is torchrun's default rather than the user's choice.
+
+    torchrun sets it inside its own process, only when it was unset and more than one process
+    runs per machine; the environment torchrun itself started with (its /proc entry) then lacks
+    it. Where that cannot be read (no /proc), a 1 under such a torchrun counts as the default.
+    """
+    if os.environ.get("OMP_NUM_THREADS") != "1" or "TORCHELASTIC_RUN_ID" not in os.environ or local_world_size < 2:
+        return False
+    launcher = _launcher_environ()
+    return launcher is None or "OMP_NUM_THREADS" not in launcher
+
+
+def _launcher_environ() -> dict[str, str] | None:
+    """The environment this process's parent (torchrun's agent) was started with, if readable."""
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return None
+    return dict(e.decode(errors="replace").partition("=")[::2] for e in entries if e)
 
 
 def setup_single(device_spec: str | None) -> DistContext:

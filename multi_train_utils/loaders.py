@@ -10,6 +10,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -257,7 +258,7 @@ def device_crops(split: DataSplit, side: int, ctx: DistContext, cache: PixelCach
     started = time.perf_counter()
     paths = [p for p, _ in split.train]
     nbytes = len(paths) * 3 * side * side
-    check_device_room(nbytes, ctx.device)
+    check_device_room(nbytes, ctx)
     pixels = torch.zeros(len(paths), 3, side, side, dtype=torch.uint8)
     frames = torch.zeros(len(paths), 2, dtype=torch.int64)
 
@@ -279,13 +280,14 @@ def device_crops(split: DataSplit, side: int, ctx: DistContext, cache: PixelCach
     return DeviceCrops(pixels, frames)
 
 
-def check_device_room(nbytes: int, device: torch.device) -> None:
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _memory_available()
-    if nbytes > 0.5 * free:  # the rest is the model's, its activations' and the batch's
-        raise UserError(
-            f"--device-augment keeps the training images on {device}: {nbytes / 2**30:.2f} GiB, but only "
-            f"{free / 2**30:.2f} GiB is free: train without it, or with a smaller --img-size"
-        )
+def check_device_room(nbytes: int, ctx: DistContext) -> None:
+    free = torch.cuda.mem_get_info(ctx.device)[0] if ctx.device.type == "cuda" else _memory_available()
+    problem = (
+        f"--device-augment keeps the training images on {ctx.device}: {nbytes / 2**30:.2f} GiB, but only "
+        f"{free / 2**30:.2f} GiB is free: train without it, or with a smaller --img-size"
+    )
+    # The rest is the model's, its activations' and the batch's.
+    raise_together(problem if nbytes > 0.5 * free else None, ctx)
 
 
 class SharedImageCache:
@@ -306,7 +308,7 @@ class SharedImageCache:
         sizes = [h * w * 3 for h, w in self.shapes]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.nbytes = int(self.offsets[-1])
-        check_cache_room(self.nbytes)
+        check_cache_room(self.nbytes, ctx)
         token = broadcast_object(secrets.token_hex(8) if ctx.is_main else None, ctx)
         path = f"/dev/shm/imgcache-{token}-{ctx.rank - ctx.local_rank}"  # one per machine, even two "machines" on one
         creator = ctx.local_rank == 0
@@ -350,13 +352,27 @@ def _picture_shape(path: str, short_side: int) -> tuple[int, int]:
     return max(1, round(h * scale)), max(1, round(w * scale))
 
 
-def check_cache_room(nbytes: int) -> None:
+def check_cache_room(nbytes: int, ctx: DistContext) -> None:
     room = min(shutil.disk_usage("/dev/shm").free, _memory_available())
-    if nbytes > 0.8 * room:  # leave room for the model, the loaders and the rest of the machine
-        raise UserError(
-            f"--cache needs {nbytes / 2**30:.2f} GiB of shared memory, but only {room / 2**30:.2f} GiB is "
-            "available (/dev/shm or free RAM): train without --cache, or with a smaller --img-size"
-        )
+    problem = (
+        f"--cache needs {nbytes / 2**30:.2f} GiB of shared memory, but only {room / 2**30:.2f} GiB is "
+        "available (/dev/shm or free RAM): train without --cache, or with a smaller --img-size"
+    )
+    # Leave room for the model, the loaders and the rest of the machine.
+    raise_together(problem if nbytes > 0.8 * room else None, ctx)
+
+
+def raise_together(problem: str | None, ctx: DistContext) -> None:
+    """Raise `problem` on every rank as soon as one rank has it. Machines differ in
+    free memory: a rank that raised alone would leave the others waiting in their next collective
+    until --dist-timeout. Costs one gather, so the ranks agree before they part."""
+    found = gather_objects((socket.gethostname(), problem) if problem else None, ctx)
+    failing = [(rank, entry) for rank, entry in enumerate(found) if entry]
+    if not failing:
+        return
+    rank, (host, first) = failing[0]
+    where = f"rank {rank} on {host}" + (f" (and {len(failing) - 1} other rank(s))" if len(failing) > 1 else "")
+    raise UserError(f"{where}: {first}" if ctx.distributed else first)
 
 
 def _memory_available() -> int:

@@ -322,6 +322,7 @@ def epoch_record(epoch: int, train: dict[str, float], val: dict[str, float], tra
         "train_loss": train["train_loss"],
         "train_acc": train["train_acc"],
         "train_total": len(split.train),
+        "train_seen": train["epoch_images"],  # drawn, over all processes: see docs/exactness.md
         **val,
         "lr": training.schedule(epoch * training.steps_per_epoch),  # where the epoch left the schedule
         "epoch_seconds": train_seconds,

@@ -311,9 +311,10 @@ def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoc
     bar.close()
     sums[2] += images_seen  # once per epoch
     loss_sum, correct, count, waits = all_reduce_sum(torch.cat([sums, sums.new_tensor([data_wait])]), ctx).tolist()
-    # train_images: what this call trained on (a resumed epoch's rest), for the images/s figure
-    return {"train_loss": loss_sum / count, "train_acc": correct / count, "train_images": int(count - sums_so_far[2]),
-            "data_wait_seconds": waits / ctx.world_size}
+    # epoch_images: what the whole epoch trained on, over all ranks; train_images: what this call
+    # trained on (a resumed epoch's rest), for the images/s figure
+    return {"train_loss": loss_sum / count, "train_acc": correct / count, "epoch_images": int(count),
+            "train_images": int(count - sums_so_far[2]), "data_wait_seconds": waits / ctx.world_size}
 
 
 def apply_gradients(training: Training, optimizer_steps: int) -> None:

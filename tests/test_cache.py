@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 from conftest import SAMPLE, kill_group, metrics, ok, processes_with_marker, start_job, train, wait_for_epochs
 
-from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.loaders import SharedImageCache, check_cache_room
+from multi_train_utils import loaders
+from multi_train_utils.distributed_utils import DistContext, find_free_port, setup_process_group, teardown
+from multi_train_utils.loaders import SharedImageCache, check_cache_room, check_device_room
 from utils import UserError, list_images, load_rgb
 
 SINGLE = DistContext.single()
@@ -32,7 +34,39 @@ def test_cached_pixels_are_the_resized_image():
 
 def test_a_cache_that_would_not_fit_is_refused():
     with pytest.raises(UserError, match="--cache needs .* GiB of shared memory"):
-        check_cache_room(10**15)  # a petabyte: more than any machine this runs on
+        check_cache_room(10**15, SINGLE)  # a petabyte: more than any machine this runs on
+
+
+def _short_of_memory_on_rank_1(rank: int, port: int, out: str, check: str) -> None:
+    """One rank of two, rank 1 on a "machine" with 1 KiB free; writes how the check ended."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ctx = setup_process_group(rank, rank, 2, 2, "cpu", "gloo", timeout_s=60)
+    if rank == 1:
+        loaders._memory_available = lambda: 1024
+    try:
+        if check == "cache":
+            SharedImageCache([p for p, _ in list_images(str(SAMPLE))[1][:6]], short_side=32, ctx=ctx)
+        else:
+            check_device_room(2**20, ctx)
+        outcome = "went on"
+    except UserError as e:
+        outcome = str(e)
+    finally:
+        teardown()
+    Path(out, str(rank)).write_text(outcome)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", ["cache", "device-augment"])
+def test_one_machine_short_of_memory_stops_every_rank_with_the_same_error(tmp_path, check):
+    """The ranks decide together: both leave at once with the error of the rank that lacks
+    room, instead of one leaving and the other waiting in a collective until the timeout."""
+    started = time.monotonic()
+    mp.spawn(_short_of_memory_on_rank_1, args=(find_free_port(), str(tmp_path), check), nprocs=2)
+    assert time.monotonic() - started < 40  # the group's timeout is 60 s
+    outcomes = [(tmp_path / str(rank)).read_text() for rank in (0, 1)]
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith("rank 1 on ") and f"--{check} " in outcomes[0] and "\n" not in outcomes[0]
 
 
 def _cache_mappings(pid: int) -> set[int]:
@@ -72,3 +106,4 @@ def test_training_with_cache_counts_every_image_once(tmp_path):
     ok(train("single", tmp_path, "--epochs", "1", "--cache", "--img-size", "48"))
     record = metrics(tmp_path)[0]
     assert record["train_total"] == 95 and record["val_total"] == 25
+    assert record["train_seen"] == 88  # 11 batches of 8: the last 7 images of the shuffle are dropped

@@ -83,7 +83,7 @@ def test_an_epoch_started_part_way_gives_the_rest_of_the_same_batches():
 
 def test_pixels_that_would_not_fit_are_refused():
     with pytest.raises(UserError, match="--device-augment keeps the training images on cpu: .* GiB"):
-        check_device_room(10**15, torch.device("cpu"))
+        check_device_room(10**15, SINGLE)
 
 
 def _rank(rank: int, port: int, out: str) -> None:

@@ -8,16 +8,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import FAST, REPO, SAMPLE, launcher_cmd, metrics, ok, train
+from conftest import FAST, REPO, SAMPLE, args_for, launcher_cmd, metrics, ok, train
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import convert_sync_batchnorm, create_model
 from multi_train_utils.checkpoint import REQUIRED_KEYS, load_checkpoint
+from multi_train_utils.config import prepare
+from multi_train_utils import distributed_utils
 from multi_train_utils.distributed_utils import (
     DistContext,
     ShardSampler,
@@ -25,6 +28,7 @@ from multi_train_utils.distributed_utils import (
     setup_process_group,
     teardown,
 )
+from multi_train_utils.loaders import build_loaders, readable_split
 from multi_train_utils.train_eval_utils import (
     PlacedModel,
     Schedule,
@@ -59,7 +63,8 @@ def test_end_to_end(runs, launcher, world_size):
     for r in records:
         assert METRIC_KEYS <= r.keys()
         assert r["world_size"] == world_size and r["global_batch_size"] == 8 * world_size
-        assert r["train_total"] == 95 and r["val_total"] == 25  # each image once, whatever the world size
+        assert r["train_total"] == 95 and r["val_total"] == 25
+        assert r["train_seen"] == SEEN[world_size]  # counted as the batches came, summed over the processes
         assert 0 <= r["val_acc"] <= 1 and r["val_correct"] == round(r["val_acc"] * 25)
         assert 0 < r["data_wait_seconds"] < r["epoch_seconds"]
     ckpt = load_checkpoint(out / "last.pth")
@@ -101,12 +106,89 @@ def test_evaluation_and_report_are_exact_on_any_world_size(runs, tmp_path):
         assert (tmp_path / f"{world_size}" / "confusion_matrix.png").is_file()
 
 
+# Training images drawn in an epoch of the 95-image split, 8 per batch, by world size (docs/exactness.md).
+SEEN = {1: 88, 2: 96, 3: 96}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_each_training_image_is_drawn_once_an_epoch_less_the_dropped_plus_the_padding(world_size):
+    """The training loaders of all ranks together: each image once an epoch, except that the
+    DistributedSampler repeats the first images of its shuffle until every rank has as many, and a
+    rank's last batch is dropped when shorter than --batch-size (while the shard is longer than one)."""
+    plan = prepare(args_for("--workers", "0", "--batch-size", "8"), "test", verbose=False)
+    split = readable_split(plan, DistContext.single())
+    n, per_rank = len(split.train), -(-len(split.train) // world_size)  # 95, and ceil(95 / world_size)
+    padding, kept = world_size * per_rank - n, per_rank - per_rank % 8
+    loaders = [build_loaders(split, plan, DistContext(r, r, world_size, world_size, torch.device("cpu"), True))[0]
+               for r in range(world_size)]
+    missed_by_epoch = []
+    for epoch in (1, 2):
+        drawn = []
+        for loader in loaders:
+            loader.sampler.set_epoch(epoch)
+            drawn += [index for batch in loader.batch_sampler for e, index in batch if e == epoch]
+        assert len(drawn) == world_size * kept == SEEN[world_size]
+        counts = Counter(drawn)
+        assert max(counts.values()) <= 2 and sum(c - 1 for c in counts.values()) <= padding
+        missed = set(range(n)) - counts.keys()
+        assert len(missed) <= world_size * (per_rank % 8)
+        missed_by_epoch.append(missed)
+    if world_size == 1:  # 7 dropped, a different 7 each epoch: no image is left out for good
+        assert len(missed_by_epoch[0]) == 7 and missed_by_epoch[0] != missed_by_epoch[1]
+    else:  # no batch dropped; one image twice, the padding
+        assert missed_by_epoch == [set(), set()]
+
+
 def test_shard_sampler_covers_each_index_once():
     for n in range(0, 12):
         for world in (1, 2, 3, 5):
             shards = [list(ShardSampler(n, DistContext(r, r, world, world, torch.device("cpu"), True)))
                       for r in range(world)]
             assert sorted(sum(shards, [])) == list(range(n))
+
+
+@pytest.fixture
+def threads_of(monkeypatch):
+    """The math threads one of `processes` CPU processes on a 32-core machine sets itself, in
+    the environment `env` and with a launcher started in `launcher_env` (None: unreadable)."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr(distributed_utils, "cpu_count", lambda: 32)
+
+    def threads(processes: int, env: dict[str, str], launcher_env: dict[str, str] | None = None) -> int:
+        for key in ("OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(distributed_utils, "_launcher_environ", lambda: launcher_env)
+        torch.set_num_threads(7)  # a value none of the cases sets
+        distributed_utils._configure_threads(torch.device("cpu"), processes)
+        return torch.get_num_threads()
+
+    yield threads
+    torch.set_num_threads(before)
+
+
+def test_each_cpu_process_gets_its_share_of_the_cores(threads_of):
+    torchrun = {"TORCHELASTIC_RUN_ID": "none"}
+    assert threads_of(2, {}) == 16  # mp.spawn exports nothing
+    # torchrun's own OMP_NUM_THREADS=1: set in torchrun, absent from the environment it started with
+    assert threads_of(2, {**torchrun, "OMP_NUM_THREADS": "1"}, launcher_env={}) == 16
+    assert threads_of(2, {**torchrun, "OMP_NUM_THREADS": "1"}, launcher_env=None) == 16  # no /proc: the rule
+    # the user's choice: given to torchrun, or any other value, or outside torchrun
+    assert threads_of(2, {**torchrun, "OMP_NUM_THREADS": "1"}, launcher_env={"OMP_NUM_THREADS": "1"}) == 7
+    assert threads_of(2, {**torchrun, "OMP_NUM_THREADS": "3"}, launcher_env={"OMP_NUM_THREADS": "3"}) == 7
+    assert threads_of(2, {"OMP_NUM_THREADS": "1"}) == 7
+    assert threads_of(1, {**torchrun, "OMP_NUM_THREADS": "1"}, launcher_env={}) == 7  # torchrun sets it for 2+ only
+
+
+def test_the_launcher_environment_is_the_one_it_started_with():
+    """As torchrun does, a launcher sets a variable after it started, then starts a worker:
+    the worker finds what the launcher was given, not what it set itself."""
+    worker = "from multi_train_utils.distributed_utils import _launcher_environ as e; l = e(); print(l['GIVEN'], 'SET' in l)"
+    launcher = f"import os, subprocess, sys; os.environ['SET'] = '1'; subprocess.run([sys.executable, '-c', {worker!r}])"
+    out = subprocess.run([sys.executable, "-c", launcher], cwd=REPO, env={**os.environ, "GIVEN": "yes"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["yes", "False"], out.stderr
 
 
 def _real_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:

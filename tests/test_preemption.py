@@ -123,10 +123,18 @@ def test_stopping_inside_an_epoch_and_going_on_equals_the_whole_epoch(monkeypatc
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The run a stopped-and-resumed two-process run must reproduce."""
-    root = tmp_path_factory.mktemp("uninterrupted")
-    ok(train("spawn", root, *SMALL_STEPS, nproc=2, timeout=300))
-    return metrics(root)
+    """The run a stopped-and-resumed run of `world_size` processes must reproduce, started once:
+    its metrics and its final weights."""
+    runs = {}
+
+    def run(world_size: int) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        if world_size not in runs:
+            root = tmp_path_factory.mktemp(f"uninterrupted-{world_size}")
+            ok(train("single" if world_size == 1 else "spawn", root, *SMALL_STEPS, nproc=world_size, timeout=300))
+            runs[world_size] = metrics(root), load_checkpoint(root / "last.pth")["model"]
+        return runs[world_size]
+
+    return run
 
 
 def slurm_job(out, *extra: str, port: int) -> list:
@@ -180,8 +188,10 @@ def test_sigterm_stops_at_a_step_and_resume_ends_as_if_uninterrupted(launcher, u
         assert f"goes on after step {checkpoint['steps_in_epoch']}" in out
     resumed = metrics(tmp_path)
     assert [r["epoch"] for r in resumed] == [1, 2]
-    if world_size == 1:
-        return  # exactness in one process: test_stopping_inside_an_epoch_and_going_on_equals_the_whole_epoch
-    for a, b in zip(uninterrupted, resumed):
-        for key in ("train_loss", "train_acc", "val_loss", "val_acc", "lr"):
+    expected, weights = uninterrupted(world_size)
+    for a, b in zip(expected, resumed):
+        for key in ("train_loss", "train_acc", "train_seen", "val_loss", "val_acc", "lr"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (b["epoch"], key)
+    final = load_checkpoint(tmp_path / "last.pth")["model"]
+    for name, value in weights.items():
+        torch.testing.assert_close(final[name], value, msg=lambda m, name=name: f"{name}: {m}")
