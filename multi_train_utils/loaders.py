@@ -118,8 +118,9 @@ def recorded_files(plan: Plan, record: RecordedSplit, source: Path) -> tuple[Run
                      "(if they moved there, add --data-moved)")
     files = [p for p, _ in split.train + split.val]
     stamps = record.stamps or [None] * len(files)
-    gone = [p for p, stamp in zip(files, stamps) if file_stamp(p) is None]
-    changed = [p for p, stamp in zip(files, stamps) if stamp is not None and file_stamp(p) not in (None, stamp)]
+    now = [file_stamp(p) for p in files]
+    gone = [p for p, stamp in zip(files, now) if stamp is None]
+    changed = [p for p, then, stamp in zip(files, stamps, now) if then is not None and stamp not in (None, then)]
     bad = gone + [p for p, _ in find_unreadable(changed, threads=cpu_count())]
     if bad and not args.drop_missing:
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")

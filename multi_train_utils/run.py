@@ -148,15 +148,12 @@ def resume(training: Training, checkpoint: dict[str, Any] | None, source: str | 
     if progress.steps_in_epoch:
         same_steps = (checkpoint["world_size"] == ctx.world_size and checkpoint["args"]["batch_size"] == args.batch_size
                       and checkpoint["args"].get("accum_steps", 1) == args.accum_steps)
-        if lost_files:
-            message += (f"; it stopped inside epoch {progress.epoch + 1}, whose order of images held the files "
-                        "left out, so that epoch starts over")
-            progress = Progress(progress.epoch, progress.best_acc)
-        elif same_steps:
+        if same_steps and not lost_files:
             message += f"; epoch {progress.epoch + 1} goes on after step {progress.steps_in_epoch}"
         else:
-            message += (f"; it stopped inside epoch {progress.epoch + 1} with {checkpoint['world_size']} process(es) "
-                        f"of batch {checkpoint['args']['batch_size']}, so that epoch starts over")
+            why = (", whose order of images held the files left out" if lost_files else
+                   f" with {checkpoint['world_size']} process(es) of batch {checkpoint['args']['batch_size']}")
+            message += f"; it stopped inside epoch {progress.epoch + 1}{why}, so that epoch starts over"
             progress = dataclasses.replace(progress, steps_in_epoch=0, epoch_sums=(0.0, 0.0, 0.0))
     ctx.print0(message)
     return progress
