@@ -183,9 +183,12 @@ def describe_processes(pids: list[int]) -> str:
 STOP_WITHIN = 20
 
 
-def start_job(launcher: str, out: Path, *extra: str, nproc: int = 2, data: Path = SAMPLE):
+def start_job(launcher: str, out: Path, *extra: str, nproc: int = 2, data: Path = SAMPLE, max_restarts: int = 0):
+    """A training job in the background; `max_restarts` makes a torchrun job elastic."""
     marker = uuid.uuid4().hex
     cmd = launcher_cmd(launcher, nproc) + ["--data-path", str(data), "--output-dir", str(out), *FAST, *extra]
+    if max_restarts:
+        cmd.insert(cmd.index("--standalone"), f"--max-restarts={max_restarts}")
     proc = start(cmd, env={"TEST_JOB_MARKER": marker})
     proc.marker = marker
     return proc, marker

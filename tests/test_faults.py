@@ -11,7 +11,6 @@ import signal
 import socket
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -19,16 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import (
-    FAST,
     SAMPLE,
     STOP_WITHIN,
     child_pids,
     copy_sample,
-    launcher_cmd,
     metrics,
     processes_with_marker,
     run_cli,
-    start,
     start_job,
     user_error,
     wait_for_epochs,
@@ -49,11 +45,7 @@ def test_elastic_restart_resumes_and_logs_each_epoch_once(tmp_path):
     """kill -9 a torchrun worker mid-run: torchrun restarts the group, which resumes from
     last.pth and finishes every epoch; metrics.jsonl holds each epoch once."""
     out = tmp_path / "run"
-    cmd = launcher_cmd("launch", 2)
-    cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
-    marker = uuid.uuid4().hex
-    proc = start(cmd + ["--data-path", str(SAMPLE), "--output-dir", str(out), *FAST, "--epochs", "3",
-                        "--resume", "auto"], env={"TEST_JOB_MARKER": marker})
+    proc, marker = start_job("launch", out, "--epochs", "3", "--resume", "auto", max_restarts=1)
     wait_for_epochs(proc, out, 1)
     workers = child_pids(proc.pid)
     assert len(workers) == 2, workers

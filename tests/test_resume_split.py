@@ -4,11 +4,22 @@ user says so), a moved folder is followed when the user says so. Real launchers,
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
-from conftest import copy_sample, metrics, ok, train
+from conftest import (
+    child_pids,
+    copy_sample,
+    metrics,
+    ok,
+    processes_with_marker,
+    start_job,
+    train,
+    wait_for_epochs,
+)
 
 from utils import SPLIT_FILE
 
@@ -105,3 +116,26 @@ def test_a_run_folder_from_before_split_json_resumes_with_a_warning(tmp_path):
     result = ok(train("single", out, "--epochs", "2", "--resume", "auto", data=data))
     assert "does not exist (a run folder from before runs recorded their files)" in result.stdout
     assert [r["epoch"] for r in metrics(out)] == [1, 2]
+
+
+def test_an_elastic_restart_keeps_its_split_while_the_folder_grows(tmp_path):
+    """kill -9 a torchrun worker after the folder gained photos: torchrun restarts the group,
+    which resumes from last.pth on the recorded files, not on a fresh split of the folder."""
+    data = copy_sample(tmp_path / "data")
+    out = tmp_path / "run"
+    proc, marker = start_job("launch", out, "--epochs", "3", "--resume", "auto", data=data, max_restarts=1)
+    wait_for_epochs(proc, out, 1)
+    before = recorded(out)
+    grow(data)
+    workers = child_pids(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[0], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stdout
+    assert f"10 image(s) added to {data} since the run started are not used" in stdout
+    after = recorded(out)
+    assert (after["train"], after["val"]) == (before["train"], before["val"])
+    assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
+    assert {r["val_total"] for r in metrics(out)} == {len(before["val"])}
+    assert not processes_with_marker(marker)
