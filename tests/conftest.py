@@ -207,6 +207,19 @@ def wait_for_epochs(proc, out: Path, epochs: int, timeout: float = 180) -> None:
         time.sleep(0.05)
 
 
+def finished_after_killing_a_worker(proc, marker: str) -> str:
+    """kill -9 one worker of an elastic torchrun job: torchrun restarts the group, which must
+    resume and finish with nothing left running. Its stdout."""
+    workers = child_pids(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[0], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stdout
+    assert not processes_with_marker(marker)
+    return stdout
+
+
 def wait_until_gone(proc, marker: str) -> tuple[float, str]:
     """Seconds until the launcher exits and no process of the job is left; its stderr."""
     started = time.monotonic()

@@ -4,18 +4,15 @@ user says so), a moved folder is followed when the user says so. Real launchers,
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
 from conftest import (
-    child_pids,
     copy_sample,
+    finished_after_killing_a_worker,
     metrics,
     ok,
-    processes_with_marker,
     start_job,
     train,
     wait_for_epochs,
@@ -127,15 +124,9 @@ def test_an_elastic_restart_keeps_its_split_while_the_folder_grows(tmp_path):
     wait_for_epochs(proc, out, 1)
     before = recorded(out)
     grow(data)
-    workers = child_pids(proc.pid)
-    assert len(workers) == 2, workers
-    os.kill(workers[0], signal.SIGKILL)
-    stdout, stderr = proc.communicate(timeout=180)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "resumed from" in stdout
+    stdout = finished_after_killing_a_worker(proc, marker)
     assert f"10 image(s) added to {data} since the run started are not used" in stdout
     after = recorded(out)
     assert (after["train"], after["val"]) == (before["train"], before["val"])
     assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
     assert {r["val_total"] for r in metrics(out)} == {len(before["val"])}
-    assert not processes_with_marker(marker)
