@@ -21,9 +21,10 @@ from utils import Sample, cpu_count, load_rgb
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-# The random resized crop's range of area and aspect ratio (torchvision's defaults), shared by
-# the loader's transform and the draws of --device-augment, which must cut the same boxes.
-CROP_SCALE = (0.08, 1.0)
+# The random resized crop's smallest share of the picture (ImageNet's 0.08, --crop-scale) and its
+# range of aspect ratios (torchvision's defaults), shared by the loader's transform and the
+# draws of --device-augment, which must cut the same boxes.
+CROP_SCALE = 0.08
 CROP_RATIO = (3 / 4, 4 / 3)
 
 
@@ -59,6 +60,7 @@ class Augmentation:
 
     auto_augment: str = "none"  # a key of AUTO_AUGMENT
     random_erase: float = 0.0  # probability of erasing one rectangle per image
+    crop_scale: float = CROP_SCALE  # the random crop's smallest share of the picture's area
 
 
 def build_transform(img_size: int, train: bool, augmentation: Augmentation = Augmentation()) -> v2.Compose:
@@ -71,7 +73,7 @@ def build_transform(img_size: int, train: bool, augmentation: Augmentation = Aug
     if not train:
         geometry = [v2.Resize(eval_resize(img_size), antialias=True), v2.CenterCrop(img_size)]
         return v2.Compose([v2.PILToTensor(), *geometry])  # PILToTensor: PIL input only, tensors pass through
-    steps = [v2.PILToTensor(), v2.RandomResizedCrop(img_size, CROP_SCALE, CROP_RATIO, antialias=True),
+    steps = [v2.PILToTensor(), v2.RandomResizedCrop(img_size, (augmentation.crop_scale, 1.0), CROP_RATIO, antialias=True),
              v2.RandomHorizontalFlip()]
     policy = AUTO_AUGMENT[augmentation.auto_augment]
     if policy is not None:
@@ -129,7 +131,8 @@ def train_transforms(config: Mapping[str, Any]) -> TrainTransforms:
     """Each epoch's training transform, as a run's configuration asks: the crop size of the
     epoch and the augmentation."""
     return TrainTransforms(size_schedule(config),
-                           Augmentation(config.get("auto_augment", "none"), config.get("random_erase", 0.0)))
+                           Augmentation(config.get("auto_augment", "none"), config.get("random_erase", 0.0),
+                                        config.get("crop_scale", CROP_SCALE)))
 
 
 def eval_img_size(config: Mapping[str, Any]) -> int:
@@ -241,10 +244,12 @@ class CropDraws(Dataset):
     the picture, as the row [index, top, left, height, width, flip]; and the label. Drawing is
     all a loader worker does here: the pixels wait on the device, in `DeviceCrops`."""
 
-    def __init__(self, samples: Sequence[Sample], shapes: Sequence[tuple[int, int]], seed: int = 0):
+    def __init__(self, samples: Sequence[Sample], shapes: Sequence[tuple[int, int]], seed: int = 0,
+                 crop_scale: float = CROP_SCALE):
         self.labels = [label for _, label in samples]
         self.shapes = list(shapes)
         self.seed = seed
+        self.crop_scale = crop_scale
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -254,7 +259,7 @@ class CropDraws(Dataset):
         frame = torch.empty(0, *self.shapes[index])  # only its size is read
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(image_seed(self.seed, epoch, index))
-            top, left, height, width = RandomResizedCrop.get_params(frame, list(CROP_SCALE), list(CROP_RATIO))
+            top, left, height, width = RandomResizedCrop.get_params(frame, [self.crop_scale, 1.0], list(CROP_RATIO))
             flip = torch.rand(1).item() < 0.5  # v2.RandomHorizontalFlip's draw: flip when below p
         return torch.tensor([index, top, left, height, width, int(flip)]), self.labels[index]
 

@@ -40,10 +40,16 @@ class Progress:
     epoch_sums: tuple[float, float, float] = (0.0, 0.0, 0.0)
     # The epochs the run trains in all, as --time-budget fixed them after epoch 1; None: --epochs.
     budget_epochs: int | None = None
+    # Seconds of training and evaluation in the finished epochs, and the longest training of
+    # one: a resumed run spends what is left of --time-budget, not the whole of it again.
+    seconds_used: float = 0.0
+    slowest_train: float = 0.0
 
-    def record(self, epoch: int, val_acc: float) -> bool:
-        """Note a finished epoch; True when its accuracy is the best so far."""
+    def record(self, epoch: int, val_acc: float, train_seconds: float, eval_seconds: float) -> bool:
+        """Note a finished epoch and how long it took; True when its accuracy is the best so far."""
         self.epoch, self.steps_in_epoch, self.epoch_sums = epoch, 0, (0.0, 0.0, 0.0)
+        self.seconds_used += train_seconds + eval_seconds
+        self.slowest_train = max(self.slowest_train, train_seconds)
         is_best = val_acc > self.best_acc
         self.best_acc = max(self.best_acc, val_acc)
         return is_best
@@ -66,6 +72,8 @@ def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
         "steps_in_epoch": progress.steps_in_epoch,
         "epoch_sums": list(progress.epoch_sums),
         "budget_epochs": progress.budget_epochs,
+        "seconds_used": progress.seconds_used,
+        "slowest_train": progress.slowest_train,
         "args": vars(args),
         "class_names": class_names,
         "world_size": world_size,  # informative: a checkpoint resumes at any world size
@@ -108,7 +116,8 @@ def restore_progress(checkpoint: dict[str, Any], optimizer: torch.optim.Optimize
     if ema is not None:
         ema.load_state_dict(checkpoint.get("ema", checkpoint["model"]))
     return Progress(checkpoint["epoch"], checkpoint["best_acc"], checkpoint.get("steps_in_epoch", 0),
-                    tuple(checkpoint.get("epoch_sums", (0.0, 0.0, 0.0))), checkpoint.get("budget_epochs"))
+                    tuple(checkpoint.get("epoch_sums", (0.0, 0.0, 0.0))), checkpoint.get("budget_epochs"),
+                    checkpoint.get("seconds_used", 0.0), checkpoint.get("slowest_train", 0.0))
 
 
 def save_atomic(obj: Any, path: Path) -> None:

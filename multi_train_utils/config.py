@@ -9,11 +9,11 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from multi_train_utils.budget import budget_seconds
+from multi_train_utils.budget import BUDGET_MOST_EPOCHS, DEFAULT_EPOCHS, budget_seconds
 from multi_train_utils.checkpoint import load_checkpoint, read_state_dict
 from multi_train_utils.distributed_utils import parse_device, parse_dist_url
 from model import DEFAULT_MODEL, check_model_name
-from my_dataset import AUTO_AUGMENT
+from my_dataset import AUTO_AUGMENT, CROP_SCALE
 from utils import DataSplit, Sample, UserError, download_flower_photos, list_images
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -75,10 +75,13 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
                       help="data-loader processes per training process (default: CPUs per process - 1, at most 8)")
 
     train = p.add_argument_group("training")
-    train.add_argument("--epochs", type=int, default=30, help="the most epochs the run trains")
+    train.add_argument("--epochs", type=int, default=None,
+                       help=f"the most epochs the run trains (default: {DEFAULT_EPOCHS}; with --time-budget alone, "
+                            f"as many as fit, up to {BUDGET_MOST_EPOCHS})")
     train.add_argument("--time-budget", default=None, metavar="DURATION",
-                       help="train and evaluate for at most this long (600 or 600s, 10m, 1.5h): epoch 1 is timed, "
-                            "and the schedule is sized to the epochs that fit (at most --epochs)")
+                       help="train and evaluate for at most this long (600 or 600s, 10m, 1.5h), a resumed run what "
+                            "is left of it: epoch 1 is timed, and the schedule is sized to the epochs that fit (at "
+                            "most --epochs when given)")
     train.add_argument("--batch-size", type=int, default=16, help="images per process and step")
     train.add_argument("--lr", type=float, default=0.1,
                        help="learning rate for a global batch of 256; the run uses lr * global_batch / 256")
@@ -98,6 +101,9 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     train.add_argument("--seed", type=int, default=0, help="seeds the split, the initial weights and the augmentation")
 
     aug = p.add_argument_group("augmentation", "on top of the random resized crop and the horizontal flip")
+    aug.add_argument("--crop-scale", type=float, default=CROP_SCALE,
+                     help="the random resized crop's smallest share of the picture's area (ImageNet's 0.08; a "
+                          "larger one, such as fastai's 0.35, is gentler on a small model or short training)")
     aug.add_argument("--auto-augment", default="none", choices=list(AUTO_AUGMENT),
                      help="torchvision's TrivialAugmentWide, RandAugment or AugMix")
     aug.add_argument("--random-erase", type=float, default=0.0, help="probability of erasing a rectangle")
@@ -227,6 +233,8 @@ def check_recipe(args: argparse.Namespace) -> None:
         raise UserError(f"--min-img-size {args.min_img_size} is above --img-size {args.img_size}")
     if args.min_img_size is not None and args.min_img_size < args.img_size and args.ramp_epochs < 2:
         raise UserError("--min-img-size needs --ramp-epochs 2 or more: the epoch by which the crop is full size")
+    if not 0 < args.crop_scale <= 1:
+        raise UserError(f"--crop-scale is a share of the picture's area, above 0 and at most 1, not {args.crop_scale}")
     if not 0 <= args.random_erase <= 1:
         raise UserError(f"--random-erase is a probability, not {args.random_erase}")
     if args.mixup_alpha < 0 or args.cutmix_alpha < 0:

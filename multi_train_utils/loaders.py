@@ -212,7 +212,7 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
                    f"{time.perf_counter() - started:.1f}s")
     if on_device:
         crops = device_crops(split, eval_resize(args.img_size), ctx, cache)
-        train_set = CropDraws(split.train, crops.frames.tolist(), args.seed)
+        train_set = CropDraws(split.train, crops.frames.tolist(), args.seed, args.crop_scale)
     else:
         train_set = MyDataSet(split.train, train_transforms(vars(args)), args.img_size, args.seed, cache)
     val_set = MyDataSet(split.val, build_transform(val_size, train=False), eval_resize(val_size), cache=cache)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,12 @@ from torch.utils.tensorboard import SummaryWriter
 
 from model import create_model, freeze_backbone
 from multi_train_utils.budget import (
-    Deadline,
     EpochTime,
     budget_message,
     budget_seconds,
     epochs_that_fit,
+    most_epochs,
+    room_for_another,
     run_sizes,
 )
 from multi_train_utils.checkpoint import (
@@ -209,12 +209,11 @@ def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataL
         training = dataclasses.replace(training, stop_requested=termination)
         if progress.budget_epochs:  # resumed: the count stays the one fixed before
             training = sized_to(progress.budget_epochs, training, train_loader, args, output_dir, ctx)
-        deadline = Deadline(budget or math.inf)
-        ctx.print0(f"training: epoch {progress.epoch + 1} of {epochs_of(progress, args)}, "
+        ctx.print0(f"training: epoch {progress.epoch + 1} of {epochs_planned(progress, args)}, "
                    f"{len(train_loader)} batches per process")
-        epoch = progress.epoch + 1
+        resumed_at = epoch = progress.epoch + 1
         while epoch <= epochs_of(progress, args):
-            if budget and not agree_to_go_on(deadline, epoch, progress, args, ctx):
+            if budget and not agree_to_go_on(budget, epoch, epoch == resumed_at > 1, progress, args, ctx):
                 break
             steps_before = progress.steps_in_epoch
             started = clock()
@@ -222,9 +221,9 @@ def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataL
             trained = clock()
             val, better = evaluate_epoch(training, val_loader, ctx)
             took = EpochTime(trained - started, clock() - trained)
-            deadline.note(took)
             record = epoch_record(epoch, train, val, training, split, took.train, took.eval, ctx)
-            is_best = progress.record(epoch, max(val["val_acc"], val.get("ema_val_acc", 0.0)))  # the better one's
+            is_best = progress.record(epoch, max(val["val_acc"], val.get("ema_val_acc", 0.0)),  # the better one's
+                                      took.train, took.eval)
             if budget and progress.budget_epochs is None:
                 whole = EpochTime(took.train * (1 + steps_before / max(1, len(train_loader))), took.eval)
                 progress.budget_epochs = fix_epochs(budget, whole, args, ctx)
@@ -237,16 +236,23 @@ def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataL
 
 
 def epochs_of(progress: Progress, args: argparse.Namespace) -> int:
-    """The epochs the run trains in all: as --time-budget fixed them, else --epochs."""
-    return progress.budget_epochs or args.epochs
+    """The epochs the run trains in all: as --time-budget fixed them, else --epochs (before the
+    budget has fixed them: the most it may)."""
+    return progress.budget_epochs or most_epochs(args)
+
+
+def epochs_planned(progress: Progress, args: argparse.Namespace) -> str:
+    if progress.budget_epochs or args.time_budget is None:
+        return str(epochs_of(progress, args))
+    return f"as many as --time-budget {args.time_budget} fits (at most {most_epochs(args)}), counted after it"
 
 
 def fix_epochs(budget: float, first: EpochTime, args: argparse.Namespace, ctx: DistContext) -> int:
     """The epoch count that fits the budget, from rank 0's epoch 1: one decision for all ranks."""
     fit = None
     if ctx.is_main:
-        fit = epochs_that_fit(budget, first, args.epochs, lambda n: run_sizes(args, n))
-        print(budget_message(args.time_budget, fit, args.epochs, first), flush=True)
+        fit = epochs_that_fit(budget, first, most_epochs(args), lambda n: run_sizes(args, n))
+        print(budget_message(args, fit, first), flush=True)
     return broadcast_object(fit, ctx)
 
 
@@ -261,15 +267,18 @@ def sized_to(epochs: int, training: Training, train_loader: DataLoader, args: ar
                                                                  training.steps_per_epoch, epochs))
 
 
-def agree_to_go_on(deadline: Deadline, epoch: int, progress: Progress, args: argparse.Namespace,
+def agree_to_go_on(budget: float, epoch: int, resumed: bool, progress: Progress, args: argparse.Namespace,
                    ctx: DistContext) -> bool:
-    """Whether every rank starts `epoch`: rank 0 decides (its clock), so all stop together."""
-    go_on = deadline.room_for_another() if ctx.is_main else None
+    """Whether every rank starts `epoch`: rank 0 decides (its clock), so all stop together.
+    `resumed`: `epoch` is the first of a resumed run, which has only what is left of the budget."""
+    go_on = room_for_another(budget, progress.seconds_used, progress.slowest_train) if ctx.is_main else None
     if broadcast_object(go_on, ctx):
         return True
-    ctx.print0(f"time budget: {deadline.used:.1f}s of --time-budget {args.time_budget} used and an epoch's training "
-               f"takes up to {deadline.slowest_train:.1f}s: ending after epoch {epoch - 1} of "
-               f"{epochs_of(progress, args)} (the epochs ran slower than epoch 1)")
+    why = ("before the resume; a larger --time-budget gives the run more time" if resumed else
+           "the epochs ran slower than epoch 1")
+    ctx.print0(f"time budget: {progress.seconds_used:.1f}s of --time-budget {args.time_budget} used and an epoch's "
+               f"training takes up to {progress.slowest_train:.1f}s: ending after epoch {epoch - 1} of "
+               f"{epochs_of(progress, args)} ({why})")
     return False
 
 

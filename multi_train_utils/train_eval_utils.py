@@ -18,6 +18,7 @@ from torchvision.transforms import v2
 from tqdm import tqdm
 
 from model import classifier, convert_sync_batchnorm, set_train_mode
+from multi_train_utils.budget import planned_epochs
 from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum
 from my_dataset import normalize
 from utils import TrainingDiverged
@@ -102,10 +103,10 @@ class Schedule:
 
 
 def build_schedule(args: argparse.Namespace, peak: float, steps_per_epoch: int, epochs: int | None = None) -> Schedule:
-    """`epochs`: the count --time-budget fixed after epoch 1 (default --epochs). Epoch 1 runs
-    before that count is known, so under a budget the warm-up covers at least epoch 1 and its
-    length never depends on the count."""
-    total = max(1, (epochs or args.epochs) * steps_per_epoch)
+    """`epochs`: the count --time-budget fixed after epoch 1 (default --epochs, or 30). Epoch 1
+    runs before that count is known, so under a budget the warm-up covers at least epoch 1 and
+    its length never depends on the count."""
+    total = max(1, (epochs or planned_epochs(args)) * steps_per_epoch)
     warmup = round(args.warmup_epochs * steps_per_epoch)
     warmup = min(total - 1, warmup) if args.time_budget is None else max(steps_per_epoch, warmup)
     return Schedule(peak, total, warmup, args.lrf)

@@ -10,7 +10,7 @@ from conftest import FAST, args_for, call_main, copy_sample, metrics, user_error
 
 import multi_train_utils.run
 import train_single_gpu
-from multi_train_utils.budget import EpochTime, epochs_that_fit, parse_duration, run_sizes
+from multi_train_utils.budget import EpochTime, budget_message, epochs_that_fit, most_epochs, parse_duration, run_sizes
 from multi_train_utils.train_eval_utils import build_schedule
 
 
@@ -40,6 +40,23 @@ def test_the_count_is_what_fits_after_epoch_1():
     assert sizes(1) == 16 and sizes(sizes.ramp_epochs) == 32 and sizes.ramp_epochs == max(2, round(10 * fit / 20))
 
 
+def test_without_epochs_the_budget_alone_decides():
+    assert most_epochs(args_for()) == 30
+    assert most_epochs(args_for("--time-budget", "1h")) == 1000
+    assert most_epochs(args_for("--time-budget", "1h", "--epochs", "7")) == 7
+    one_size = lambda n: run_sizes(args_for("--time-budget", "1h"), n)  # noqa: E731
+    assert epochs_that_fit(3600, EpochTime(8, 2), 1000, one_size) == 360
+    assert epochs_that_fit(1e9, EpochTime(0.0, 0.0), 1000, one_size) == 1000  # a clock that did not move
+    first = EpochTime(8, 2)
+    alone = budget_message(args_for("--time-budget", "1h"), 360, first)
+    assert alone.endswith("--time-budget 1h fits 360 epochs: training 360")
+    capped = budget_message(args_for("--time-budget", "1h", "--epochs", "7"), 7, first)
+    assert capped.endswith("--epochs 7 is the smaller limit: training 7 epochs")
+    # The ramp of progressive resizing is read against the default 30 epochs when --epochs is not given.
+    ramp = args_for("--time-budget", "1h", "--img-size", "32", "--min-img-size", "16", "--ramp-epochs", "15")
+    assert run_sizes(ramp, 60).ramp_epochs == 30
+
+
 def test_epoch_1_does_not_depend_on_the_count():
     args = args_for("--time-budget", "1h", "--epochs", "30")
     steps = 12
@@ -63,10 +80,10 @@ class FakeClock:
         return self.now
 
 
-def train_in_process(data, out, clock, monkeypatch, *extra: str) -> None:
+def train_in_process(data, out, clock, monkeypatch, *extra: str, epochs: int | None = 10) -> None:
     monkeypatch.setattr(multi_train_utils.run, "clock", clock)
     call_main(train_single_gpu.main, ["--data-path", str(data), "--output-dir", str(out), *FAST, "--amp", "off",
-                                      "--epochs", "10", *extra])
+                                      *(["--epochs", str(epochs)] if epochs else []), *extra])
 
 
 @pytest.fixture
@@ -86,8 +103,8 @@ def test_a_budget_too_small_gives_one_epoch(tiny, tmp_path, monkeypatch, capsys)
 def test_slow_epochs_end_early_and_a_resumed_run_keeps_the_count(tiny, tmp_path, monkeypatch, capsys):
     """Run A's epochs take as long as epoch 1 promised: 100s fit 5 epochs of 20s. Run B's
     epochs after the first take twice as long: the guard ends it after epoch 3 (100s used, and
-    the next epoch's 20s of training would not fit); resumed, it keeps the count of 5, and
-    ends as A did."""
+    the next epoch's 20s of training would not fit). Resumed with the same budget it has none
+    left; with 140s, it keeps the count of 5 and ends as A did, in the 40s added."""
     train_in_process(tiny, tmp_path / "a", FakeClock(10), monkeypatch, "--time-budget", "100")
     assert "--time-budget 100 fits 5 epochs, fewer than --epochs 10: training 5" in capsys.readouterr().out
 
@@ -98,7 +115,11 @@ def test_slow_epochs_end_early_and_a_resumed_run_keeps_the_count(tiny, tmp_path,
     assert len(metrics(tmp_path / "b")) == 3
     assert torch.load(tmp_path / "b" / "last.pth", weights_only=True)["budget_epochs"] == 5
 
+    # Resumed, the run has what is left of its budget: nothing, until the user gives it more.
     train_in_process(tiny, tmp_path / "b", FakeClock(10), monkeypatch, "--time-budget", "100", "--resume", "auto")
+    assert "ending after epoch 3 of 5 (before the resume; a larger --time-budget" in capsys.readouterr().out
+    assert len(metrics(tmp_path / "b")) == 3
+    train_in_process(tiny, tmp_path / "b", FakeClock(10), monkeypatch, "--time-budget", "140", "--resume", "auto")
     out = capsys.readouterr().out
     assert "epoch 1 took" not in out  # the count is not measured again
     assert [m["epoch"] for m in metrics(tmp_path / "b")] == [1, 2, 3, 4, 5]
@@ -106,3 +127,13 @@ def test_slow_epochs_end_early_and_a_resumed_run_keeps_the_count(tiny, tmp_path,
     for a, b in zip(metrics(tmp_path / "a"), metrics(tmp_path / "b")):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_budget_alone_is_not_capped_by_the_default_epochs(tiny, tmp_path, monkeypatch, capsys):
+    """Epochs of 2s (fake) in 70s: 35 of them, more than the 30 a run without a budget trains."""
+    train_in_process(tiny, tmp_path / "run", FakeClock(1), monkeypatch, "--time-budget", "70", epochs=None)
+    out = capsys.readouterr().out
+    assert "training: epoch 1 of as many as --time-budget 70 fits (at most 1000)" in out
+    assert "--time-budget 70 fits 35 epochs: training 35" in out
+    assert len(metrics(tmp_path / "run")) == 35

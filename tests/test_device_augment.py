@@ -14,7 +14,7 @@ from torchvision.transforms.v2 import functional as TF
 from multi_train_utils.config import prepare
 from multi_train_utils.distributed_utils import DistContext, find_free_port, setup_process_group, teardown
 from multi_train_utils.loaders import DeviceAugmentedLoader, build_loaders, check_device_room, readable_split
-from my_dataset import DeviceCrops, MyDataSet, normalize, train_transforms
+from my_dataset import CropDraws, DeviceCrops, MyDataSet, normalize, train_transforms
 from utils import UserError
 
 SINGLE = DistContext.single()
@@ -50,10 +50,13 @@ def loaders(*argv: str):
     return plan, split, *build_loaders(split, plan, SINGLE)
 
 
-def test_the_device_crops_what_the_loader_crops():
+@pytest.mark.parametrize("crop_scale", ["0.08", "0.35"])
+def test_the_device_crops_what_the_loader_crops(crop_scale):
     """Real photos, drawn as the loader's transform draws them from the same --cache pixels:
-    every crop shows the same part of the same picture, mirrored alike (within resampling)."""
-    plan, split, loader, val_loader = loaders("--img-size", "64", "--cache", "--device-augment")
+    every crop shows the same part of the same picture, mirrored alike (within resampling),
+    whatever the smallest share of the picture a crop may take."""
+    plan, split, loader, val_loader = loaders("--img-size", "64", "--cache", "--device-augment",
+                                              "--crop-scale", crop_scale)
     assert isinstance(loader, DeviceAugmentedLoader)
     on_cpu = MyDataSet(split.train, train_transforms(vars(plan.args)), 64, plan.args.seed, val_loader.dataset.cache)
     loader.sampler.set_epoch(3)
@@ -117,3 +120,17 @@ def test_two_processes_hold_the_pixels_of_one_and_cut_the_same_crops(tmp_path):
         for row, image in zip(draws.tolist(), loader.crops(draws, 32)):
             if row[0] in cuts:
                 torch.testing.assert_close(cuts[row[0]], image, rtol=0, atol=1e-5)
+
+
+def test_crop_scale_is_the_smallest_share_a_crop_takes():
+    """--crop-scale 0.5: no box under half the picture (torchvision's draws, our seeds); the
+    default 0.08 cuts far smaller ones."""
+    frames = [(300, 400)] * 200
+    samples = [("x.jpg", 0)] * len(frames)
+
+    def areas(crop_scale: float) -> list[float]:
+        draws = CropDraws(samples, frames, seed=0, crop_scale=crop_scale)
+        return [(lambda r: r[3] * r[4] / (300 * 400))(draws[(1, i)][0].tolist()) for i in range(len(frames))]
+
+    assert min(areas(0.5)) >= 0.5 - 0.01  # boxes are whole pixels
+    assert min(areas(0.08)) < 0.2

@@ -83,10 +83,11 @@ def test_an_epoch_can_start_after_the_samples_already_trained_on():
     sampler = EpochSampler(Indices())
     sampler.set_epoch(3, skip=4)
     assert list(sampler) == [(3, i) for i in range(4, 10)] and len(sampler) == 6
-    assert Progress(2, 0.5, 7, (1.0, 2.0, 3.0)).record(3, 0.4) is False
-    progress = Progress(2, 0.5, 7, (1.0, 2.0, 3.0))
-    progress.record(3, 0.6)
+    assert Progress(2, 0.5, 7, (1.0, 2.0, 3.0)).record(3, 0.4, 1.0, 1.0) is False
+    progress = Progress(2, 0.5, 7, (1.0, 2.0, 3.0), seconds_used=30.0, slowest_train=9.0)
+    progress.record(3, 0.6, 8.0, 2.0)
     assert (progress.epoch, progress.steps_in_epoch, progress.epoch_sums, progress.best_acc) == (3, 0, (0, 0, 0), 0.6)
+    assert (progress.seconds_used, progress.slowest_train) == (40.0, 9.0)
 
 
 def test_stopping_inside_an_epoch_and_going_on_equals_the_whole_epoch(monkeypatch):

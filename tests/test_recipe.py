@@ -39,6 +39,8 @@ CPU = torch.device("cpu")
     (["--min-img-size", "40", "--ramp-epochs", "3"], "--min-img-size must be a multiple of 16 (16, 32, 48, ...), not 40"),
     (["--val-img-size", "0"], "--val-img-size must be at least 1"),
     (["--random-erase", "1.5"], "--random-erase is a probability"),
+    (["--crop-scale", "0"], "--crop-scale is a share of the picture's area"),
+    (["--crop-scale", "1.5"], "--crop-scale is a share of the picture's area"),
     (["--mixup-alpha", "-1"], "--mixup-alpha and --cutmix-alpha cannot be negative"),
     (["--ema-decay", "1"], "--ema-decay must be between 0 and 1"),
     (["--clip-grad-norm", "0"], "--clip-grad-norm must be positive"),
