@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--variant", action="append", default=[], metavar="OPTIONS",
                    help="also train ours with these extra options, e.g. --variant '--lr 0.2' (repeatable)")
     a.add_argument("--skip-seed", action="store_true", help="train only ours and its variants")
+    a.add_argument("--budgets", type=float, nargs="+", default=[], metavar="SHARE",
+                   help="train ours with --time-budget at these shares of the time the seed recipe's run of the same "
+                        "seed took, e.g. --budgets 0.2 0.33 0.5 1 (default: ours with --epochs, no budget)")
+    a.add_argument("--variant-budgets", type=float, nargs="+", default=[], metavar="SHARE",
+                   help="the shares each --variant trains at (default: --budgets)")
     a.add_argument("--runs-dir", default=None, help="where ours' run folders go (default: runs/benchmark-accuracy-TIME)")
 
     e = sub.add_parser("endtoend", help="wall clock of whole training commands on a folder of a given size")

@@ -1,6 +1,8 @@
 """The accuracy experiment: the seed recipe and ours (and variants of ours) trained from scratch
 on the same split, seed after seed; validation accuracy against wall-clock time, and how soon
-each of ours first reaches the seed recipe's final accuracy."""
+each of ours first reaches the seed recipe's final accuracy. With --budgets, ours trains under
+--time-budget, given shares of the time the seed recipe's run of the same seed took: what a
+user with that much time gets."""
 from __future__ import annotations
 
 import argparse
@@ -17,15 +19,16 @@ from benchmarks.ours_recipe import ours_plan
 from benchmarks.seed_recipe import train_seed
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.loaders import readable_split
-from utils import read_metrics
+from utils import UserError, read_metrics
 
 
 def train_ours(args: argparse.Namespace, seed: int, options: list[str], out_dir: Path) -> tuple[list[dict[str, Any]], str]:
     """Our defaults (plus `options`) through the real launcher, on the settings the seed recipe
-    gets; its metrics.jsonl is the result. Returns that and the command, as a user would type it."""
+    gets (its epoch count unless `options` give a --time-budget, which then decides alone); its
+    metrics.jsonl is the result. Returns that and the command, as a user would type it."""
+    epochs = [] if "--time-budget" in options else ["--epochs", str(args.epochs)]
     cmd = ["train_single_gpu.py", "--data-path", args.data_path, "--img-size", str(args.img_size),
-           "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--seed", str(seed),
-           "--output-dir", str(out_dir), *options]
+           *epochs, "--batch-size", str(args.batch_size), "--seed", str(seed), "--output-dir", str(out_dir), *options]
     print("$ " + shlex.join(["python", *cmd]), flush=True)
     subprocess.run([sys.executable, *cmd], cwd=ROOT, check=True)
     return read_metrics(out_dir), shlex.join(["python", *cmd])
@@ -72,6 +75,8 @@ def summarise(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
                                                  for s, r in by_seed.items()])
             entry["time_to_seed_accuracy_share"] = spread(shares) if shares else None
             entry["seeds_never_reaching_seed_accuracy"] = missed
+            entry["seeds_ending_at_or_above_seed"] = sum(r["curve"][-1][1] >= runs["seed"][s]["curve"][-1][1]
+                                                         for s, r in by_seed.items())
         summary[name] = entry
     return summary
 
@@ -81,9 +86,11 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
     variants through the launcher, one run at a time."""
     run = Run("accuracy", args.machine)
     runs_dir = Path(args.runs_dir or f"runs/benchmark-accuracy-{time.strftime('%Y%m%d-%H%M%S')}")
+    if args.budgets and args.skip_seed:
+        raise UserError("--budgets are shares of the seed recipe's time: they need its runs (no --skip-seed)")
     variants = [("ours", [])] + [(f"ours {v}", shlex.split(v)) for v in args.variant]
     runs: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in (["seed"] if not args.skip_seed else [])}
-    runs.update({name: {} for name, _ in variants})
+    runs.update({name: {} for name, _, _ in budgeted(variants, args, 0.0)})
     settings: dict[str, Any] = {}
     for seed in args.seeds:
         plan = ours_plan(args.data_path, args.img_size, args.batch_size, ["--epochs", str(args.epochs),
@@ -96,32 +103,81 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
             records = train_seed(plan.args, split, lambda line: print(line, flush=True))
             runs["seed"][seed] = {"command": f"{command_line()}  (the seed recipe, in-process)",
                                   "curve": curve(records), "epochs": records}
-        for name, options in variants:
-            out_dir = runs_dir / f"{name.replace(' ', '').replace('--', '_')}-seed{seed}"
+        seed_seconds = runs["seed"][seed]["curve"][-1][0] if not args.skip_seed else 0.0
+        for name, options, share in budgeted(variants, args, seed_seconds):
+            out_dir = runs_dir / f"{name.replace(' ', '').replace('--', '_').replace('@', '-')}-seed{seed}"
             records, cmd = train_ours(args, seed, options, out_dir)
-            runs[name][seed] = {"command": cmd, "curve": curve(records), "epochs": records}
+            runs[name][seed] = {"command": cmd, "curve": curve(records), "epochs": records, "budget_share": share}
         # Written after every seed: a long experiment cut short keeps the seeds it finished.
         summary = summarise(runs)
-        result = run.result({**settings, "seeds": args.seeds[: args.seeds.index(seed) + 1]}, summary=summary,
-                            runs=runs)
-        write_result(result, args.out, report_table(summary), plot_accuracy)
+        result = run.result({**settings, "seeds": args.seeds[: args.seeds.index(seed) + 1], "budgets": args.budgets,
+                             "variant_budgets": variant_budgets(args)}, summary=summary, runs=runs)
+        write_result(result, args.out, report_table(summary), plot_budgets if args.budgets else plot_accuracy)
     return result
+
+
+def variant_budgets(args: argparse.Namespace) -> list[float]:
+    return args.variant_budgets or args.budgets
+
+
+def budgeted(variants: list[tuple[str, list[str]]], args: argparse.Namespace,
+             seed_seconds: float) -> list[tuple[str, list[str], float | None]]:
+    """The runs of one seed: each variant as it is or, with --budgets, once per budget, as
+    (name, options, share of the seed recipe's time). Ours takes --budgets, the others
+    --variant-budgets."""
+    if not args.budgets:
+        return [(name, options, None) for name, options in variants]
+    return [(f"{name} @{share:g}", [*options, "--time-budget", f"{share * seed_seconds:.1f}"], share)
+            for i, (name, options) in enumerate(variants)
+            for share in (args.budgets if i == 0 else variant_budgets(args))]
 
 
 def report_table(summary: dict[str, Any]) -> str:
     def pm(s: dict[str, float], scale: float = 100, digits: int = 1) -> str:
         return f"{scale * s['mean']:.{digits}f} ± {scale * s['std']:.{digits}f}"
 
-    lines = ["| recipe | final val acc (%) | vs seed (points) | seconds | time to seed's final acc |",
-             "|---|---|---|---|---|"]
+    lines = ["| recipe | final val acc (%) | vs seed (points) | seeds ending ≥ seed | seconds | time to seed's final acc |",
+             "|---|---|---|---|---|---|"]
     for name, s in summary.items():
         share = s.get("time_to_seed_accuracy_share")
         reach = "" if name == "seed" else (f"{pm(share, digits=0)}% of seed's" if share else "never")
         if s.get("seeds_never_reaching_seed_accuracy"):
             reach += f" (never on {s['seeds_never_reaching_seed_accuracy']} seed(s))"
         above = pm(s["points_above_seed"], scale=1) if "points_above_seed" in s else ""
-        lines.append(f"| {name} | {pm(s['final_val_acc'])} | {above} | {pm(s['seconds'], scale=1, digits=0)} | {reach} |")
+        ending = f"{s['seeds_ending_at_or_above_seed']} of {s['final_val_acc']['n']}" if "points_above_seed" in s else ""
+        lines.append(f"| {name} | {pm(s['final_val_acc'])} | {above} | {ending} | {pm(s['seconds'], scale=1, digits=0)} "
+                     f"| {reach} |")
     return "\n".join(lines)
+
+
+def plot_budgets(result: dict[str, Any], path: Path) -> None:
+    """Final validation accuracy against the time given, as a share of the seed recipe's: one
+    line per recipe (mean over seeds, with the spread), the seed recipe's 30 epochs a band."""
+    fig = new_figure(7.5, 4.5)
+    if fig is None:
+        return
+    ax = fig.subplots()
+    summary, recipes = result["summary"], {}
+    for name, by_seed in result["runs"].items():
+        if name != "seed":
+            share = next(iter(by_seed.values()))["budget_share"]
+            recipes.setdefault(name.rpartition(" @")[0], []).append((100 * share, summary[name]["final_val_acc"]))
+    seed = summary["seed"]["final_val_acc"]
+    ax.axhspan(100 * (seed["mean"] - seed["std"]), 100 * (seed["mean"] + seed["std"]), color="0.85")
+    ax.axhline(100 * seed["mean"], color="0.4", label=f"seed recipe, {result['settings']['epochs']} epochs "
+                                                      f"(100% of the time), mean ± std")
+    for i, (name, points) in enumerate(recipes.items()):
+        shares, accs = zip(*sorted(points, key=lambda p: p[0]))
+        ax.errorbar(shares, [100 * a["mean"] for a in accs], yerr=[100 * a["std"] for a in accs], fmt="o-",
+                    color=f"C{i}", capsize=3, label=f"{name} with --time-budget")
+    s = result["settings"]
+    ax.set(xlabel="time given (% of the seed recipe's training and evaluation)", ylabel="final validation accuracy (%)",
+           title=f"{s['train_images']} training / {s['val_images']} validation images, {s['img_size']} px, from "
+                 f"scratch, seeds {', '.join(map(str, s['seeds']))}\n{result['machine']['name']}")
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=PLOT_DPI)
 
 
 def plot_accuracy(result: dict[str, Any], path: Path) -> None:

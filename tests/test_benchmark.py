@@ -1,6 +1,7 @@
 """python -m benchmarks run for real, tiny: every subcommand on the bundled photos, its JSON and its PNG."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -198,3 +199,31 @@ def test_startup_times_a_new_run_and_its_resume(tmp_path):
             assert 0 < row[kind]["seconds_to_first_step"] < 60 and row[kind]["peak_rss_mb"] > 100
     assert set(data["per_10000_images"]) == {"new", "resume"}
     assert "| per 10,000 more |" in result.stdout
+
+
+def test_budgets_are_shares_of_the_seed_recipes_time_for_ours_and_its_variants():
+    args = argparse.Namespace(budgets=[0.2, 1.0], variant_budgets=[0.2])
+    runs = accuracy.budgeted([("ours", []), ("ours --crop-scale 0.35", ["--crop-scale", "0.35"])], args, 600.0)
+    assert runs == [("ours @0.2", ["--time-budget", "120.0"], 0.2), ("ours @1", ["--time-budget", "600.0"], 1.0),
+                    ("ours --crop-scale 0.35 @0.2", ["--crop-scale", "0.35", "--time-budget", "120.0"], 0.2)]
+    plain = argparse.Namespace(budgets=[], variant_budgets=[])
+    assert accuracy.budgeted([("ours", [])], plain, 600.0) == [("ours", [], None)]
+
+
+@pytest.mark.slow
+def test_accuracy_under_time_budgets(tmp_path):
+    """The budget mode, tiny: the seed recipe's run times the budgets; ours trains under
+    --time-budget alone (no --epochs), at each share of that time."""
+    out = tmp_path / "budgets.json"
+    ok(run_cli([*BENCHMARKS, "accuracy", *TINY, "--epochs", "2", "--out", str(out), "--batch-size", "8",
+                "--seeds", "3", "--budgets", "0.5", "1", "--runs-dir", str(tmp_path / "runs")], timeout=300))
+    data = json.loads(out.read_text())
+    assert set(data["runs"]) == {"seed", "ours @0.5", "ours @1"}
+    seed_seconds = data["runs"]["seed"]["3"]["curve"][-1][0]
+    for name, share in (("ours @0.5", 0.5), ("ours @1", 1.0)):
+        run = data["runs"][name]["3"]
+        assert "--epochs" not in run["command"] and run["budget_share"] == share
+        config = json.loads((tmp_path / "runs" / f"ours-{share:g}-seed3" / "config.json").read_text())
+        assert config["time_budget"] == f"{share * seed_seconds:.1f}" and config["epochs"] is None
+    assert data["summary"]["ours @1"]["seeds_ending_at_or_above_seed"] in (0, 1)
+    check_png(out.with_suffix(".png"))
