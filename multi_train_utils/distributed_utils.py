@@ -356,9 +356,10 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
 def broadcast_buffers(model: torch.nn.Module, ctx: DistContext) -> None:
     """Copy rank 0's buffers (BatchNorm running statistics) to every rank.
 
-    Without SyncBN each rank's running statistics drift apart during an epoch. Evaluating
-    with rank 0's buffers everywhere makes the reported accuracy that of the checkpoint
-    rank 0 saves, whatever the world size.
+    DDP copies rank 0's buffers to the others as a training forward pass starts (not after one
+    under no_sync), but without SyncBN each rank's forward then updates its copy from its own
+    batch, so an epoch ends with statistics that differ by rank. Evaluating with rank 0's buffers everywhere makes the
+    reported accuracy that of the checkpoint rank 0 saves, whatever the world size.
     """
     if not ctx.distributed:
         return

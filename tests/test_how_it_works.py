@@ -1,0 +1,401 @@
+"""docs/how-it-works.md cannot rot: what it names exists, and what it tells a reader to run parses.
+
+The page's conventions, which this file enforces:
+- a backticked span ending in `.py` is a file of the repository;
+- `name()`, `ClassName`, `ClassName.member` and `module.NAME` are defined in the project's code
+  (found with ast, not imported), and "`name()` in `path.py`" says in which file;
+- a backticked `torch.` name exists in the installed PyTorch; plain lower-case words and
+  ALL_CAPS names (environment variables) are not code names and are not checked;
+- every ```bash line that starts a launcher (python X.py, torchrun ... X.py, python -m
+  torch.distributed.launch ... X.py) parses with that launcher's own parser, and torchrun's
+  options with torchrun's, all in this process: nothing trains;
+- every line of an ```output block (what our launchers print) matches a string in the code;
+  a block without an info string (PyTorch's log, a one-liner's print) is not checked;
+- a ```text block (the map of calls) names functions and files by the same rules;
+- links to other pages lead to a file and heading that exist.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import builtins
+import contextlib
+import importlib
+import io
+import re
+import shlex
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from multi_train_utils.config import get_args_parser
+
+PAGE = REPO / "docs" / "how-it-works.md"
+LAUNCHERS = {"train_single_gpu.py": "single", "train_multi_gpu_using_launch.py": "launch",
+             "train_multi_gpu_using_spawn.py": "spawn"}
+# How each program that starts launchers reads its own options, before the script's name.
+STARTERS = {"torchrun": "torch.distributed.run", "torch.distributed.run": "torch.distributed.run",
+            "torch.distributed.launch": "torch.distributed.launch"}
+FILE_ENDINGS = (".py", ".pth", ".json", ".jsonl", ".csv", ".png", ".md", ".txt")
+IDENTIFIER = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?:\(\))?")
+# "`name()` in `path.py`", also "`Name` (in `path.py`)" and "`name()` (`path.py`)"
+IN_FILE = re.compile(r"`([^`]+)`\s+(?:\(\s*)?(?:in\s+)?`([\w/.-]+\.py)`")
+# A redirection (2>&1, > out.log) is no argument of the command before it.
+REDIRECTION = re.compile(r"(?<!\S)\d*(?:>>|>&|<&|>|<)\s*(?:&\d+|\S+)")
+SHELL_WORDS = {"do", "then", "else", "time", "exec"}
+MIN_LITERAL = 12  # characters a code string must fix for an output line to count as matching it
+
+
+def source_files(root: Path) -> list[Path]:
+    """The project's Python files, the tests included (a page may name a test)."""
+    return [*root.glob("*.py"), *root.glob("multi_train_utils/*.py"), *root.glob("benchmarks/*.py"),
+            *root.glob("tests/*.py")]
+
+
+class Code:
+    """What the project's source defines, read with ast: names and members per file."""
+
+    def __init__(self, root: Path = REPO):
+        self.top: dict[str, set[str]] = {}  # file -> names defined at its top level
+        self.anywhere: dict[str, set[str]] = {}  # function or class name -> files
+        self.members: dict[str, set[str]] = {}  # "Class.member" -> files
+        self.patterns: list[re.Pattern] = []  # the strings the program code can print
+        for path in source_files(root):
+            rel = path.relative_to(root).as_posix()
+            tree = ast.parse(path.read_text(), filename=rel)
+            self.top[rel] = {name for node in tree.body for name in _defined(node)}
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    self.anywhere.setdefault(node.name, set()).add(rel)
+                if isinstance(node, ast.ClassDef):
+                    for member in (name for child in node.body for name in _defined(child)):
+                        self.members.setdefault(f"{node.name}.{member}", set()).add(rel)
+            if not rel.startswith("tests/"):
+                self.patterns += _printable(tree)
+
+    def module_files(self, dotted: str) -> list[str]:
+        """Files that `dotted` names as a module: `train_eval_utils` or `multi_train_utils.train_eval_utils`."""
+        return [f for f in self.top if ("." + f.removesuffix(".py").replace("/", ".")).endswith("." + dotted)]
+
+
+def _defined(node: ast.stmt) -> Iterator[str]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        yield node.name
+    elif isinstance(node, ast.Assign):
+        yield from (t.id for t in node.targets if isinstance(t, ast.Name))
+    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        yield node.target.id
+
+
+def _printable(tree: ast.Module) -> list[re.Pattern]:
+    """Each string constant and f-string of a module as a pattern, its fields matching anything."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            parts = [(re.escape(v.value), len(v.value)) if isinstance(v, ast.Constant) else (".*?", 0)
+                     for v in node.values]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            parts = [(re.escape(node.value), len(node.value))]
+        else:
+            continue
+        if sum(n for _, n in parts) >= MIN_LITERAL:
+            pattern = "".join(p for p, _ in parts)
+            # A field at the end takes the rest of the line, not (lazily) nothing.
+            found.append(re.compile(pattern[:-1] if pattern.endswith(".*?") else pattern))
+    return found
+
+
+def blocks(text: str, kind: str) -> list[str]:
+    """The bodies of the page's fenced blocks whose info string is `kind`."""
+    return re.findall(rf"^```{kind}\n(.*?)^```", text, flags=re.M | re.S)
+
+
+def prose(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def named(text: str) -> list[str]:
+    """The code names of the page: its backticked spans, and the `name()`s and paths of its map."""
+    spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose(text))]  # a span may wrap
+    for block in blocks(text, "text"):
+        spans += re.findall(r"[A-Za-z_][\w.]*\(\)|[\w/]+\.py\b", block)
+    return spans
+
+
+def torch_has(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def name_problem(span: str, code: Code) -> str | None:
+    """Why a backticked span is not true of the code, or None (also for spans that are no name)."""
+    if span.endswith(FILE_ENDINGS) and re.fullmatch(r"[\w/.-]+", span):
+        if span.endswith(".py") and span not in code.top:
+            return f"`{span}`: no such file"
+        return None
+    if not IDENTIFIER.fullmatch(span):
+        return None  # an option, a log line, an environment variable setting, ...
+    name = span.removesuffix("()")
+    first, _, rest = name.partition(".")
+    if first == "torch":
+        return None if torch_has(name) else f"`{span}`: not in torch {importlib.import_module('torch').__version__}"
+    if not rest:
+        if span.endswith("()") or (name[0].isupper() and not name.isupper()):
+            if name in code.anywhere or (not span.endswith("()") and hasattr(builtins, name)):
+                return None
+            return f"`{span}`: defined nowhere in the project"
+        return None  # a plain lower-case word or an ALL_CAPS variable: not a code name by convention
+    if first[0].isupper():  # Class.member
+        return None if name in code.members else f"`{span}`: no such member"
+    module, _, attr = name.rpartition(".")
+    files = code.module_files(module)
+    if not files:
+        return f"`{span}`: `{first}` is neither torch, a project module nor a project class"
+    return None if any(attr in code.top[f] for f in files) else f"`{span}`: not defined at the top of {module}"
+
+
+def file_problems(text: str, code: Code) -> list[str]:
+    """Each "`name` in `path.py`" whose name is not defined in that file."""
+    problems = []
+    for span, path in IN_FILE.findall(prose(text)):
+        name = span.removesuffix("()")
+        if not IDENTIFIER.fullmatch(span) or path not in code.top:
+            continue
+        if "." in name:
+            if name not in code.members or path not in code.members[name]:
+                problems.append(f"`{span}` is not defined in `{path}`")
+        elif name not in code.top[path] and path not in code.anywhere.get(name, ()):
+            problems.append(f"`{span}` is not defined in `{path}`")
+    return problems
+
+
+def map_problems(text: str, code: Code) -> list[str]:
+    """In the map of calls, each line's first `name()` must be defined in one of the files on that line."""
+    problems = []
+    for block in blocks(text, "text"):
+        for line in block.splitlines():
+            names, paths = re.findall(r"\b([A-Za-z_]\w*)\(\)", line), re.findall(r"[\w/]+\.py\b", line)
+            if names and paths and not any(names[0] in code.top.get(p, ()) for p in paths):
+                problems.append(f"map: {names[0]}() is in none of {', '.join(paths)}")
+    return problems
+
+
+def commands(text: str) -> Iterator[list[str]]:
+    """Each simple command of the page's bash blocks, as words: lines joined where they continue,
+    split at ; & && | ||, with redirections and the variables set before a command left out."""
+    for block in blocks(text, "bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            lexer = shlex.shlex(REDIRECTION.sub(" ", line), posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
+            words: list[str] = []
+            for token in [*lexer, ";"]:
+                if set(token) <= set(lexer.punctuation_chars):
+                    while words and (words[0] in SHELL_WORDS or re.fullmatch(r"[A-Za-z_]\w*=.*", words[0])):
+                        words.pop(0)
+                    if words:
+                        yield words
+                    words = []
+                else:
+                    words.append(token)
+
+
+def launcher_call(words: list[str]) -> tuple[str | None, list[str], str, list[str]] | None:
+    """(starter module, its options, script, the script's options) for a command that starts a
+    launcher, or torchrun with anything; None for any other command."""
+    program = Path(words[0]).name
+    if program == "torchrun":
+        starter, rest = STARTERS["torchrun"], words[1:]
+    elif re.fullmatch(r"python[\d.]*", program):
+        if words[1:2] == ["-m"]:
+            if words[2] not in STARTERS:
+                return None  # python -m pytest, python -m benchmarks
+            starter, rest = STARTERS[words[2]], words[3:]
+        else:
+            starter, rest = None, words[1:]
+    else:
+        return None
+    script_at = next((i for i, w in enumerate(rest) if Path(w).name in LAUNCHERS), None)
+    if script_at is None and starter is not None:  # torchrun --no-python sh -c ...
+        script_at = next((i for i, w in enumerate(rest) if not w.startswith("-") and not _is_value_of_option(rest, i)),
+                         None)
+    if script_at is None:
+        return None  # python -c ..., python predict.py ...
+    return starter, rest[:script_at], Path(rest[script_at]).name, rest[script_at + 1:]
+
+
+def _is_value_of_option(words: list[str], i: int) -> bool:
+    """Whether words[i] is the value of the option before it (`--nnodes 2`), not the program."""
+    return i > 0 and words[i - 1].startswith("-") and "=" not in words[i - 1] and words[i - 1] not in (
+        "--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "--module", "-m")
+
+
+def parse_problem(parse: Callable[[list[str]], argparse.Namespace], argv: list[str],
+                  what: str) -> tuple[argparse.Namespace | None, str | None]:
+    """What `parse` makes of `argv`, or the last line of its complaint."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            return parse(argv), None
+    except SystemExit:
+        complaint = err.getvalue().strip().splitlines() or ["refused"]
+        return None, f"{what}: {complaint[-1]}"
+
+
+def command_problems(words: list[str]) -> list[str]:
+    """Why a launcher command of the page would not start, as far as parsing can tell."""
+    call = launcher_call(words)
+    if call is None:
+        return []
+    starter, starter_options, script, options = call
+    shown = " ".join(words)
+    problems = []
+    if starter is not None:  # torchrun's own options, or the legacy launcher's (its --use-env too)
+        _, problem = parse_problem(importlib.import_module(starter).parse_args, [*starter_options, script],
+                                   f"{shown}\n  {starter}")
+        problems += [problem] if problem else []
+    if script not in LAUNCHERS:
+        return problems  # torchrun --no-python sh -c ...: only torchrun's options are ours to check
+    parser = get_args_parser("how-it-works", launcher=LAUNCHERS[script])
+    args, problem = parse_problem(parser.parse_args, options, f"{shown}\n  {script}")
+    if problem:
+        return problems + [problem]
+    if not (REPO / args.data_path).is_dir():
+        problems.append(f"{shown}\n  --data-path {args.data_path}: not a folder of this repository (the bundled sample?)")
+    if args.device != "cpu":
+        problems.append(f"{shown}\n  runs on a laptop's CPU only with --device cpu")
+    return problems
+
+
+def output_problems(text: str, code: Code) -> list[str]:
+    """Lines of output blocks that no string of the code prints: a line counts as printed when
+    one string's pattern matches at least half of it (the rest may come from another string)."""
+    def printed(line: str) -> bool:
+        return any((m := p.search(line)) and m.end() - m.start() >= len(line) / 2 for p in code.patterns)
+
+    return [f"output line printed by nothing in the code: {line}" for block in blocks(text, "output")
+            for line in block.splitlines() if line.strip() and not printed(line)]
+
+
+def link_problems(text: str) -> list[str]:
+    """Links to other pages of the repository whose file or heading is gone."""
+    problems = []
+    for target, anchor in re.findall(r"\]\(([^)#:\s]+)(?:#([^)\s]+))?\)", text):
+        path = PAGE.parent / target
+        if not path.is_file():
+            problems.append(f"link to {target}: no such file")
+        elif anchor and anchor not in {_slug(h) for h in re.findall(r"^#+ (.+)$", path.read_text(), flags=re.M)}:
+            problems.append(f"link to {target}#{anchor}: no such heading")
+    return problems
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor, as GitHub makes it."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def problems_of(text: str, code: Code) -> list[str]:
+    found = [p for span in named(text) if (p := name_problem(span, code))]
+    found += file_problems(text, code) + map_problems(text, code) + output_problems(text, code) + link_problems(text)
+    found += [p for words in commands(text) for p in command_problems(words)]
+    return found
+
+
+@pytest.fixture(scope="module")
+def code() -> Code:
+    return Code()
+
+
+@pytest.fixture(scope="module")
+def page() -> str:
+    return PAGE.read_text()
+
+
+def test_the_page_is_true_of_the_code(page, code):
+    assert problems_of(page, code) == []
+
+
+def test_the_page_names_enough_to_be_a_tour(page, code):
+    functions = {s for s in named(page) if s.endswith("()") and not s.startswith("torch.") and
+                 name_problem(s, code) is None}
+    launches = [w for w in commands(page) if (call := launcher_call(w)) and call[2] in LAUNCHERS]
+    assert len(functions) >= 20, sorted(functions)
+    assert len(launches) >= 8, launches
+    assert len(IN_FILE.findall(prose(page))) >= 15  # "`name()` in `file.py`" is how the page says where
+    for section in re.split(r"^## ", page, flags=re.M)[1:]:
+        assert blocks(section, "bash"), f"the stop '{section.splitlines()[0]}' ends without a command to run"
+
+
+def test_readme_links_the_page_on_its_first_screen():
+    first_screen = REPO.joinpath("README.md").read_text().split("\n## ", 1)[0]
+    assert "(docs/how-it-works.md)" in first_screen
+
+
+@pytest.mark.parametrize("change, complaint", [
+    # A function renamed in the code but not on the page, and the other ways a page goes stale.
+    (("`env_ranks()`", "`environment_ranks()`"), "`environment_ranks()`: defined nowhere"),
+    (("`ShardSampler`", "`ShardedSampler`"), "`ShardedSampler`: defined nowhere"),
+    (("`PlacedModel.module`", "`PlacedModel.wrapped`"), "`PlacedModel.wrapped`: no such member"),
+    (("`train_eval_utils.CHECK_EVERY`", "`train_eval_utils.CHECK_EVERY_STEPS`"), "not defined at the top"),
+    (("`torch.amp.GradScaler`", "`torch.amp.GradientScaler`"), "not in torch"),
+    (("`multi_train_utils/report.py`", "`multi_train_utils/reports.py`"), "no such file"),
+    (("`save_atomic()` in `multi_train_utils/checkpoint.py`", "`save_atomic()` in `multi_train_utils/run_folder.py`"),
+     "`save_atomic()` is not defined in `multi_train_utils/run_folder.py`"),
+    (("build_loaders()         multi_train_utils/loaders.py", "build_loaders()         multi_train_utils/run.py"),
+     "map: build_loaders() is in none of multi_train_utils/run.py"),
+    (("--img-size 32 --no-plots --output-dir runs/tour\n", "--img-sise 32 --no-plots --output-dir runs/tour\n"),
+     "unrecognized arguments: --img-sise"),
+    (("--world-size 2 --dist-url", "--world-sizes 2 --dist-url"), "unrecognized arguments: --world-sizes"),
+    (("data/flower_photos_sample --epochs 1 --img-size 32 --no-plots --lr",
+      "data/flower_photos --epochs 1 --img-size 32 --no-plots --lr"), "--data-path data/flower_photos: not a folder"),
+    (("train_single_gpu.py --device cpu", "train_single_gpu.py --device cuda"), "only with --device cpu"),
+    (("torchrun --nproc_per_node=2 --no-python", "torchrun --nproc-per-nodes=2 --no-python"), "torch.distributed.run"),
+    (("process group: backend=gloo, world_size=2, rendezvous=127.0.0.1",
+      "process group joined: backend=gloo, world_size=2, rendezvous=127.0.0.1"), "printed by nothing in the code"),
+    (("(multi-node.md#slurm)", "(multi-node.md#slurm-jobs)"), "no such heading"),
+])
+def test_a_stale_page_is_caught(page, code, change, complaint):
+    old, new = change
+    assert old in page, f"the page no longer holds {old!r}: pick another example"
+    problems = problems_of(page.replace(old, new, 1), code)
+    assert any(complaint in p for p in problems), problems
+
+
+def test_renaming_a_function_in_the_code_fails_the_page(page, tmp_path):
+    """The real page against a copy of the code in which env_ranks() has a new name."""
+    for path in source_files(REPO):
+        copy = tmp_path / path.relative_to(REPO)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(path.read_text().replace("def env_ranks(", "def ranks_from_environment("))
+    problems = problems_of(page, Code(tmp_path))
+    assert "`env_ranks()`: defined nowhere in the project" in problems, problems
+    assert "map: env_ranks() is in none of multi_train_utils/distributed_utils.py" in problems, problems
+
+
+def test_commands_are_split_as_a_shell_splits_them():
+    text = ("```bash\n"
+            "for r in 0 1; do RANK=$r python train_single_gpu.py --epochs 1 & done; wait\n"
+            "X=1 torchrun --nnodes 1 --nproc_per_node=2 train_multi_gpu_using_launch.py \\\n"
+            "    --epochs 2 2>&1 | grep -E 'a|b'  # a comment\n"
+            "python -m torch.distributed.launch --nproc_per_node=2 --use_env train_multi_gpu_using_launch.py --sync-bn\n"
+            "```\n")
+    calls = [launcher_call(w) for w in commands(text)]
+    assert [c for c in calls if c] == [
+        (None, [], "train_single_gpu.py", ["--epochs", "1"]),
+        ("torch.distributed.run", ["--nnodes", "1", "--nproc_per_node=2"], "train_multi_gpu_using_launch.py",
+         ["--epochs", "2"]),
+        ("torch.distributed.launch", ["--nproc_per_node=2", "--use_env"], "train_multi_gpu_using_launch.py",
+         ["--sync-bn"]),
+    ]
