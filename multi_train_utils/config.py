@@ -170,7 +170,6 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     if launcher == "launch":
         old.add_argument("--dist-url", default="env://",
                          help="env:// or tcp://HOST:PORT; accepted, but the address torchrun or srun sets wins")
-    if launcher == "launch":
         old.add_argument("--world-size", type=int, default=None,
                          help="checked against the world size torchrun or srun gives")
         # torch.distributed.launch without --use_env passes the local rank as an argument.

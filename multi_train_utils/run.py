@@ -224,7 +224,7 @@ def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataL
             record = epoch_record(epoch, train, val, training, split, took.train, took.eval, ctx)
             is_best = progress.record(epoch, max(val["val_acc"], val.get("ema_val_acc", 0.0)),  # the better one's
                                       took.train, took.eval)
-            if budget and progress.budget_epochs is None:
+            if budget and progress.budget_epochs is None:  # epoch 1 timed: fix the count the checkpoint records
                 whole = EpochTime(took.train * (1 + steps_before / max(1, len(train_loader))), took.eval)
                 progress.budget_epochs = fix_epochs(budget, whole, args, ctx)
                 training = sized_to(progress.budget_epochs, training, train_loader, args, output_dir, ctx)
@@ -232,6 +232,8 @@ def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataL
                 save_epoch(output_dir, checkpoint_of(training, progress, args, split, ctx, better), record, is_best,
                            writer)
                 print(epoch_line(record, epochs_of(progress, args), is_best), flush=True)
+            # The other ranks do not wait for these writes: they meet rank 0 again at its next
+            # collective (the next epoch's, or the final report's).
             epoch += 1
 
 
