@@ -399,3 +399,17 @@ def test_commands_are_split_as_a_shell_splits_them():
         ("torch.distributed.launch", ["--nproc_per_node=2", "--use_env"], "train_multi_gpu_using_launch.py",
          ["--sync-bn"]),
     ]
+
+
+def test_the_readmes_launcher_commands_parse():
+    """The README's commands (the quick start first) are not a tour's, run on a laptop: they
+    may name GPUs and the full dataset. Their options must still exist."""
+    readme = REPO.joinpath("README.md").read_text()
+    launches = [(w, call) for w in commands(readme) if (call := launcher_call(w)) and call[2] in LAUNCHERS]
+    assert len(launches) >= 4, launches
+    for words, (_, _, script, options) in launches:
+        parser = get_args_parser("readme", launcher=LAUNCHERS[script])
+        _, problem = parse_problem(parser.parse_args, options, " ".join(words))
+        assert problem is None, problem
+    quick_start = launches[0][1][3]
+    assert "data/flower_photos_sample" in quick_start and (REPO / "data" / "flower_photos_sample").is_dir()
