@@ -246,7 +246,7 @@ def epochs_of(progress: Progress, args: argparse.Namespace) -> int:
 def epochs_planned(progress: Progress, args: argparse.Namespace) -> str:
     if progress.budget_epochs or args.time_budget is None:
         return str(epochs_of(progress, args))
-    return f"as many as --time-budget {args.time_budget} fits (at most {most_epochs(args)}), counted after it"
+    return f"as many as --time-budget {args.time_budget} fits (at most {most_epochs(args)}; counted after this epoch)"
 
 
 def fix_epochs(budget: float, first: EpochTime, args: argparse.Namespace, ctx: DistContext) -> int:

@@ -134,6 +134,6 @@ def test_a_budget_alone_is_not_capped_by_the_default_epochs(tiny, tmp_path, monk
     """Epochs of 2s (fake) in 70s: 35 of them, more than the 30 a run without a budget trains."""
     train_in_process(tiny, tmp_path / "run", FakeClock(1), monkeypatch, "--time-budget", "70", epochs=None)
     out = capsys.readouterr().out
-    assert "training: epoch 1 of as many as --time-budget 70 fits (at most 1000)" in out
+    assert "training: epoch 1 of as many as --time-budget 70 fits (at most 1000; counted after this epoch)" in out
     assert "--time-budget 70 fits 35 epochs: training 35" in out
     assert len(metrics(tmp_path / "run")) == 35
