@@ -11,6 +11,10 @@
     # validation accuracy of the seed recipe and of ours (run through train_single_gpu.py)
     python -m benchmarks accuracy --data-path DATA --img-size 128 --epochs 20 --out docs/benchmark/accuracy.json
 
+    # what a time budget buys: ours with --time-budget at shares of the seed recipe's 30-epoch time
+    python -m benchmarks accuracy --data-path DATA --img-size 128 --epochs 30 --seeds 0 1 2 \\
+        --budgets 0.2 1 --out docs/benchmark/accuracy-budgets.json
+
     # wall clock of whole train_single_gpu.py commands on a folder of 3,670 images (DATA's, repeated)
     python -m benchmarks endtoend --data-path DATA --images 3670 --epochs 10 --variant '' --variant=--device-augment
 
