@@ -39,6 +39,10 @@ FAST = ["--img-size", "32", "--batch-size", "8", "--workers", "0", "--no-plots"]
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: starts real training processes (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "gpu: runs on CUDA (tests/test_gpu.py); every other test's processes see no GPU")
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # A shell starts a background job (`cmd &`, nohup) with Ctrl-C ignored, and every process
+        # it starts inherits that: the tests that press Ctrl-C on a job would wait in vain.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
