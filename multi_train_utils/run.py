@@ -209,7 +209,7 @@ def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataL
         training = dataclasses.replace(training, stop_requested=termination)
         if progress.budget_epochs:  # resumed: the count stays the one fixed before
             training = sized_to(progress.budget_epochs, training, train_loader, args, output_dir, ctx)
-        ctx.print0(f"training: epoch {progress.epoch + 1} of {epochs_planned(progress, args)}, "
+        ctx.print0(f"training: epoch {progress.epoch + 1} of {epochs_shown(progress, args)}, "
                    f"{len(train_loader)} batches per process")
         resumed_at = epoch = progress.epoch + 1
         while epoch <= epochs_of(progress, args):
@@ -243,7 +243,9 @@ def epochs_of(progress: Progress, args: argparse.Namespace) -> int:
     return progress.budget_epochs or most_epochs(args)
 
 
-def epochs_planned(progress: Progress, args: argparse.Namespace) -> str:
+def epochs_shown(progress: Progress, args: argparse.Namespace) -> str:
+    """The run's epoch count as the first training line says it: the number, or under a budget
+    not yet fixed, how it will be decided."""
     if progress.budget_epochs or args.time_budget is None:
         return str(epochs_of(progress, args))
     return f"as many as --time-budget {args.time_budget} fits (at most {most_epochs(args)}; counted after this epoch)"
