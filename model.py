@@ -25,6 +25,8 @@ ONNX_PACKAGES = "onnx, onnxscript and onnxruntime (pip install -r requirements-e
 
 
 DEFAULT_MODEL = "resnet34"
+# The torchvision models built by its ResNet class, which takes zero_init_residual.
+RESIDUAL_MODELS = ("resnet", "resnext", "wide_resnet")
 
 
 def model_names() -> list[str]:
@@ -32,16 +34,22 @@ def model_names() -> list[str]:
     return torchvision.models.list_models(module=torchvision.models)
 
 
-def check_model_name(name: str) -> None:
+def check_model_name(name: str, zero_init_residual: bool = False) -> None:
     if name not in model_names():
         raise UserError(f"--model {name!r} is not a torchvision classification model; "
                         f"these are: {', '.join(model_names())}")
+    if zero_init_residual and not name.startswith(RESIDUAL_MODELS):
+        raise UserError(f"--zero-init-residual is for torchvision's ResNets ({', '.join(RESIDUAL_MODELS)}...), "
+                        f"not {name}")
 
 
-def create_model(num_classes: int, name: str = DEFAULT_MODEL) -> nn.Module:
-    """A torchvision classification model by name, randomly initialised, with `num_classes` outputs."""
-    check_model_name(name)
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+def create_model(num_classes: int, name: str = DEFAULT_MODEL, zero_init_residual: bool = False) -> nn.Module:
+    """A torchvision classification model by name, randomly initialised, with `num_classes` outputs.
+    `zero_init_residual` (ResNets): each residual block's last BatchNorm starts at zero, so every
+    block starts as the identity and the network as a shallow one (Goyal et al., 2017)."""
+    check_model_name(name, zero_init_residual)
+    extra = {"zero_init_residual": True} if zero_init_residual else {}
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
 
 
 def imagenet_state_dict(name: str) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ user with that much time gets."""
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import statistics
 import subprocess
@@ -88,8 +89,10 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
     runs_dir = Path(args.runs_dir or f"runs/benchmark-accuracy-{time.strftime('%Y%m%d-%H%M%S')}")
     if args.budgets and args.skip_seed:
         raise UserError("--budgets are shares of the seed recipe's time: they need its runs (no --skip-seed)")
+    if args.seed_runs and args.skip_seed:
+        raise UserError("--seed-runs gives the seed recipe's runs; --skip-seed leaves them out: choose one")
     variants = [("ours", [])] + [(f"ours {v}", shlex.split(v)) for v in args.variant]
-    runs: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in (["seed"] if not args.skip_seed else [])}
+    runs: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in ([] if args.skip_seed else ["seed"])}
     runs.update({name: {} for name, _, _ in budgeted(variants, args, 0.0)})
     settings: dict[str, Any] = {}
     for seed in args.seeds:
@@ -99,7 +102,9 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
         settings = {"data_path": args.data_path, "img_size": args.img_size, "epochs": args.epochs,
                     "batch_size": args.batch_size, "val_rate": plan.args.val_rate, "seeds": args.seeds,
                     "train_images": len(split.train), "val_images": len(split.val), "runs_dir": str(runs_dir)}
-        if not args.skip_seed:
+        if args.seed_runs:
+            runs["seed"][seed] = recorded_seed_run(args.seed_runs, settings, seed)
+        elif not args.skip_seed:
             records = train_seed(plan.args, split, lambda line: print(line, flush=True))
             runs["seed"][seed] = {"command": f"{command_line()}  (the seed recipe, in-process)",
                                   "curve": curve(records), "epochs": records}
@@ -114,6 +119,24 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
                              "variant_budgets": variant_budgets(args)}, summary=summary, runs=runs)
         write_result(result, args.out, report_table(summary), plot_budgets if args.budgets else plot_accuracy)
     return result
+
+
+def recorded_seed_run(path: str, settings: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The seed recipe's run of `seed` from an earlier result of this benchmark, which must have
+    trained with the same settings on a folder of the same size (the result does not name the
+    folder: that it is the same one is the caller's word). The seed recipe is deterministic on
+    the CPU, so only its seconds would differ in a new run, and screening ours' options need not
+    pay for its epochs again."""
+    earlier = json.loads(Path(path).read_text())
+    same = ("img_size", "epochs", "batch_size", "val_rate", "train_images", "val_images")
+    differ = [k for k in same if earlier["settings"].get(k) != settings[k]]
+    if differ:
+        raise UserError(f"--seed-runs {path} trained with other settings: "
+                        + ", ".join(f"{k} {earlier['settings'].get(k)} (here {settings[k]})" for k in differ))
+    recorded = earlier["runs"].get("seed", {}).get(str(seed))
+    if recorded is None:
+        raise UserError(f"--seed-runs {path} has no seed recipe run of seed {seed}")
+    return {**recorded, "recorded_in": f"{path} (git {earlier['machine'].get('git_commit', '?')[:7]})"}
 
 
 def variant_budgets(args: argparse.Namespace) -> list[float]:

@@ -88,7 +88,12 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     train.add_argument("--lrf", type=float, default=0.01, help="final learning rate as a fraction of the peak")
     train.add_argument("--momentum", type=float, default=0.9)
     train.add_argument("--weight-decay", type=float, default=5e-5, help="applied to weights, not to BatchNorm or biases")
-    train.add_argument("--warmup-epochs", type=float, default=1.0, help="linear warm-up before the cosine decay")
+    train.add_argument("--warmup-epochs", type=float, default=1.0,
+                       help="linear warm-up before the decay (under --time-budget the decay starts at epoch 2 at "
+                            "the earliest)")
+    train.add_argument("--lr-decay", default="cosine", choices=["cosine", "linear"],
+                       help="the learning rate's decay from the peak to --lrf x peak: a half cosine, or a straight "
+                            "line (with --lrf 0, the linear decay to zero that suits short budgets)")
     train.add_argument("--label-smoothing", type=float, default=0.1)
     train.add_argument("--accum-steps", type=int, default=1,
                        help="batches per optimizer step (gradient accumulation): the global batch, which --lr "
@@ -119,6 +124,9 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     model.add_argument("--weights", default=None,
                        help="initial weights: a state dict, one of our checkpoints, or 'imagenet' (that model's "
                             "default ImageNet weights, with a new head)")
+    model.add_argument("--zero-init-residual", action=BoolFlag,
+                       help="ResNets: start each residual block's last BatchNorm at zero, so the network starts "
+                            "as a shallow one (torchvision's zero_init_residual)")
     model.add_argument("--freeze-layers", action=BoolFlag, help="train only the classifier")
     model.add_argument("--sync-bn", action=BoolFlag,
                        help="BatchNorm statistics over all processes (multi-process runs only)")
@@ -198,7 +206,7 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     check_recipe(args)
     budget_seconds(args)  # a malformed --time-budget fails here
-    check_model_name(args.model)
+    check_model_name(args.model, args.zero_init_residual)
     if args.workers is not None and args.workers < 0:
         raise UserError("--workers cannot be negative")
     if args.num_classes is not None and args.num_classes < 2:

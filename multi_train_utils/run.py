@@ -122,7 +122,7 @@ def build_model(args: argparse.Namespace, class_names: list[str], checkpoint: di
                 source: str | None, ctx: DistContext) -> PlacedModel:
     """The model with its initial weights (seeded, --weights, or the checkpoint's), on the device."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in every rerun
-    model = create_model(len(class_names), args.model)
+    model = create_model(len(class_names), args.model, args.zero_init_residual)
     if args.weights:
         load_weights(model, args.weights, ctx.print0, args.model)
     if args.freeze_layers:

@@ -10,7 +10,7 @@ import pytest
 from conftest import SAMPLE, check_png, ok, run_cli
 
 from benchmarks import accuracy, instruments, ours_recipe, profile
-from utils import list_images
+from utils import UserError, list_images
 
 TINY = ["--data-path", str(SAMPLE), "--img-size", "32"]
 BENCHMARKS = [sys.executable, "-m", "benchmarks"]
@@ -210,6 +210,21 @@ def test_budgets_are_shares_of_the_seed_recipes_time_for_ours_and_its_variants()
     assert accuracy.budgeted([("ours", [])], plain, 600.0) == [("ours", [], None)]
 
 
+def test_recorded_seed_runs_must_come_from_the_same_settings(tmp_path):
+    settings = {"img_size": 128, "epochs": 30, "batch_size": 16, "val_rate": 0.2, "train_images": 640,
+                "val_images": 160}
+    run = {"command": "python -m benchmarks accuracy ...", "curve": [[600.0, 0.6]], "epochs": []}
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"settings": settings, "machine": {"git_commit": "abcdef0123"},
+                                   "runs": {"seed": {"0": run}}}))
+    recorded = accuracy.recorded_seed_run(str(earlier), {**settings, "data_path": "elsewhere"}, 0)
+    assert recorded["curve"] == run["curve"] and recorded["recorded_in"] == f"{earlier} (git abcdef0)"
+    with pytest.raises(UserError, match="no seed recipe run of seed 1"):
+        accuracy.recorded_seed_run(str(earlier), settings, 1)
+    with pytest.raises(UserError, match=r"epochs 30 \(here 20\), train_images 640 \(here 95\)"):
+        accuracy.recorded_seed_run(str(earlier), {**settings, "epochs": 20, "train_images": 95}, 0)
+
+
 @pytest.mark.slow
 def test_accuracy_under_time_budgets(tmp_path):
     """The budget mode, tiny: the seed recipe's run times the budget; ours trains under
@@ -226,3 +241,14 @@ def test_accuracy_under_time_budgets(tmp_path):
     assert config["time_budget"] == f"{seed_seconds:.1f}" and config["epochs"] is None
     assert data["summary"]["ours @1"]["seeds_ending_at_or_above_seed"] in (0, 1)
     check_png(out.with_suffix(".png"))
+    # Screening: the seed recipe's run read back from that result, not trained again.
+    again = tmp_path / "again.json"
+    screened = ok(run_cli([*BENCHMARKS, "accuracy", *TINY, "--epochs", "2", "--out", str(again), "--batch-size", "8",
+                           "--seeds", "3", "--budgets", "0.5", "--seed-runs", str(out),
+                           "--runs-dir", str(tmp_path / "again")], timeout=300))
+    assert "seed epoch" not in screened.stdout
+    reread = json.loads(again.read_text())
+    assert reread["runs"]["seed"]["3"]["curve"] == data["runs"]["seed"]["3"]["curve"]
+    assert reread["runs"]["seed"]["3"]["recorded_in"].startswith(str(out))
+    assert json.loads((tmp_path / "again" / "ours-0.5-seed3" / "config.json").read_text())["time_budget"] == \
+        f"{0.5 * seed_seconds:.1f}"

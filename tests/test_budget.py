@@ -64,6 +64,15 @@ def test_epoch_1_does_not_depend_on_the_count():
     for step in range(steps):
         assert len({schedule(step) for schedule in schedules}) == 1
     assert schedules[1](2 * steps - 1) < schedules[2](2 * steps - 1)  # the decay follows the count
+    # A warm-up shorter than epoch 1 holds the peak to its end: the decay starts with the count.
+    short = args_for("--time-budget", "1h", "--warmup-epochs", "0.5", "--lr-decay", "linear", "--lrf", "0")
+    schedules = [build_schedule(short, 0.1, steps, epochs) for epochs in (1, 2, 30)]
+    for step in range(steps):
+        assert len({schedule(step) for schedule in schedules}) == 1
+    assert [schedules[2](s) for s in (6, 7, 11, 12)] == [pytest.approx(0.1)] * 4
+    assert schedules[1](steps + 6) == pytest.approx(0.05) and schedules[1](2 * steps) == 0
+    # Without a budget the same warm-up is half an epoch, and the decay starts right after it.
+    assert build_schedule(args_for("--epochs", "2", "--warmup-epochs", "0.5"), 0.1, steps)(11) < 0.1
 
 
 class FakeClock:

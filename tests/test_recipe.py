@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+import torchvision
 from conftest import FAST, SAMPLE, args_for, metrics, ok, sample_batch, train, user_error
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torchvision.transforms import v2
@@ -45,6 +46,7 @@ CPU = torch.device("cpu")
     (["--ema-decay", "1"], "--ema-decay must be between 0 and 1"),
     (["--clip-grad-norm", "0"], "--clip-grad-norm must be positive"),
     (["--device-augment", "--auto-augment", "ra"], "--device-augment crops and flips on the device"),
+    (["--model", "mobilenet_v3_small", "--zero-init-residual"], "--zero-init-residual is for torchvision's ResNets"),
 ])
 def test_recipe_mistakes_are_one_clear_error(argv, message, tmp_path, capsys):
     line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path), *argv], capsys)
@@ -136,6 +138,18 @@ def test_any_torchvision_model_by_name_with_its_head_from_the_folders():
     freeze_backbone(model)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {"classifier.3.weight", "classifier.3.bias"}
     assert classifier(create_model(5))[0] == "fc"
+
+
+def test_zero_init_residual_starts_each_block_as_the_identity():
+    torch.manual_seed(0)
+    model = create_model(5, "resnet18", zero_init_residual=True)
+    blocks = [m for m in model.modules() if isinstance(m, torchvision.models.resnet.BasicBlock)]
+    assert len(blocks) == 8 and all(not b.bn2.weight.any() for b in blocks)
+    assert create_model(5, "resnet18").layer1[0].bn2.weight.all()  # torchvision's default: ones
+    with torch.no_grad():
+        x = torch.randn(2, 64, 8, 8)
+        block = blocks[0].eval()
+        assert torch.equal(block(x), torch.relu(x))  # the residual branch adds nothing
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -120,6 +121,15 @@ def test_schedule_is_a_function_of_the_step():
     assert schedule(200) == pytest.approx(0.004) and schedule(10_000) == pytest.approx(0.004)
     no_warmup = build_schedule(args_for("--epochs", "1", "--warmup-epochs", "0"), 0.1, 5)
     assert no_warmup(0) == pytest.approx(0.1)
+
+
+def test_a_linear_decay_falls_in_a_straight_line_to_its_end():
+    schedule = build_schedule(args_for("--epochs", "10", "--lr-decay", "linear", "--lrf", "0"), 0.4, 20)
+    assert schedule(20) == pytest.approx(0.4)
+    assert schedule(110) == pytest.approx(0.2) and schedule(155) == pytest.approx(0.1)
+    assert schedule(200) == 0 and schedule(10_000) == 0
+    cosine = build_schedule(args_for("--epochs", "10", "--lrf", "0"), 0.4, 20)
+    assert cosine(155) == pytest.approx(0.4 * 0.5 * (1 + math.cos(math.pi * 0.75)))  # below the line there
 
 
 def test_it_learns():
