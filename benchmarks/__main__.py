@@ -66,11 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4],
                    help="each sets the split, the initial weights and the augmentation, for every recipe")
     a.add_argument("--variant", action="append", default=[], metavar="OPTIONS",
-                   help="also train ours with these extra options, e.g. --variant '--lr 0.2' (repeatable)")
+                   help="also train ours with these extra options, e.g. --variant '--lr 0.2' (repeatable; one "
+                        "option alone needs the = form: --variant=--cache)")
     a.add_argument("--skip-seed", action="store_true", help="train only ours and its variants")
     a.add_argument("--seed-runs", default=None, metavar="RESULT.json",
                    help="take the seed recipe's runs from an earlier result of this command on the same data and "
-                        "settings instead of training them again (to screen options of ours)")
+                        "settings instead of training them again (to screen options of ours); seeds it lacks are "
+                        "trained")
     a.add_argument("--budgets", type=float, nargs="+", default=[], metavar="SHARE",
                    help="train ours with --time-budget at these shares of the time the seed recipe's run of the same "
                         "seed took, e.g. --budgets 0.2 0.33 0.5 1 (default: ours with --epochs, no budget)")

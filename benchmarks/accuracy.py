@@ -102,8 +102,9 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
         settings = {"data_path": args.data_path, "img_size": args.img_size, "epochs": args.epochs,
                     "batch_size": args.batch_size, "val_rate": plan.args.val_rate, "seeds": args.seeds,
                     "train_images": len(split.train), "val_images": len(split.val), "runs_dir": str(runs_dir)}
-        if args.seed_runs:
-            runs["seed"][seed] = recorded_seed_run(args.seed_runs, settings, seed)
+        recorded = recorded_seed_run(args.seed_runs, settings, seed) if args.seed_runs else None
+        if recorded:
+            runs["seed"][seed] = recorded
         elif not args.skip_seed:
             records = train_seed(plan.args, split, lambda line: print(line, flush=True))
             runs["seed"][seed] = {"command": f"{command_line()}  (the seed recipe, in-process)",
@@ -121,12 +122,12 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def recorded_seed_run(path: str, settings: dict[str, Any], seed: int) -> dict[str, Any]:
-    """The seed recipe's run of `seed` from an earlier result of this benchmark, which must have
-    trained with the same settings on a folder of the same size (the result does not name the
-    folder: that it is the same one is the caller's word). The seed recipe is deterministic on
-    the CPU, so only its seconds would differ in a new run, and screening ours' options need not
-    pay for its epochs again."""
+def recorded_seed_run(path: str, settings: dict[str, Any], seed: int) -> dict[str, Any] | None:
+    """The seed recipe's run of `seed` from an earlier result of this benchmark (None when it has
+    none: that seed is trained), which must have trained with the same settings on a folder of
+    the same size (the result does not name the folder: that it is the same one is the caller's
+    word). The seed recipe is deterministic on the CPU, so only its seconds would differ in a new
+    run, and screening ours' options need not pay for its epochs again."""
     earlier = json.loads(Path(path).read_text())
     same = ("img_size", "epochs", "batch_size", "val_rate", "train_images", "val_images")
     differ = [k for k in same if earlier["settings"].get(k) != settings[k]]
@@ -134,9 +135,7 @@ def recorded_seed_run(path: str, settings: dict[str, Any], seed: int) -> dict[st
         raise UserError(f"--seed-runs {path} trained with other settings: "
                         + ", ".join(f"{k} {earlier['settings'].get(k)} (here {settings[k]})" for k in differ))
     recorded = earlier["runs"].get("seed", {}).get(str(seed))
-    if recorded is None:
-        raise UserError(f"--seed-runs {path} has no seed recipe run of seed {seed}")
-    return {**recorded, "recorded_in": f"{path} (git {earlier['machine'].get('git_commit', '?')[:7]})"}
+    return recorded and {**recorded, "recorded_in": f"{path} (git {earlier['machine'].get('git_commit', '?')[:7]})"}
 
 
 def variant_budgets(args: argparse.Namespace) -> list[float]:
