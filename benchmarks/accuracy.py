@@ -174,7 +174,8 @@ def report_table(summary: dict[str, Any]) -> str:
 
 def plot_budgets(result: dict[str, Any], path: Path) -> None:
     """Final validation accuracy against the time given, as a share of the seed recipe's: one
-    line per recipe (mean over seeds, with the spread), the seed recipe's 30 epochs a band."""
+    line per recipe (mean over seeds, with the spread), the seed recipe's 30 epochs a band.
+    With one share only, the recipes side by side instead, each seed a point."""
     fig = new_figure(7.5, 4.5)
     if fig is None:
         return
@@ -183,17 +184,29 @@ def plot_budgets(result: dict[str, Any], path: Path) -> None:
     for name, by_seed in result["runs"].items():
         if name != "seed":
             share = next(iter(by_seed.values()))["budget_share"]
-            recipes.setdefault(name.rpartition(" @")[0], []).append((100 * share, summary[name]["final_val_acc"]))
+            recipes.setdefault(name.rpartition(" @")[0], []).append((100 * share, name))
     seed = summary["seed"]["final_val_acc"]
     ax.axhspan(100 * (seed["mean"] - seed["std"]), 100 * (seed["mean"] + seed["std"]), color="0.85")
     ax.axhline(100 * seed["mean"], color="0.4", label=f"seed recipe, {result['settings']['epochs']} epochs "
                                                       f"(100% of the time), mean ± std")
+    shares_given = sorted({share for points in recipes.values() for share, _ in points})
     for i, (name, points) in enumerate(recipes.items()):
-        shares, accs = zip(*sorted(points, key=lambda p: p[0]))
+        shares, runs = zip(*sorted(points))
+        accs = [summary[run]["final_val_acc"] for run in runs]
+        if len(shares_given) == 1:  # one x per recipe: its seeds, and their mean ± std
+            finals = [100 * r["curve"][-1][1] for r in result["runs"][runs[0]].values()]
+            ax.plot([i] * len(finals), finals, ".", color=f"C{i}", alpha=0.5)
+            shares = (i,)
         ax.errorbar(shares, [100 * a["mean"] for a in accs], yerr=[100 * a["std"] for a in accs], fmt="o-",
                     color=f"C{i}", capsize=3, label=f"{name} with --time-budget")
+    if len(shares_given) == 1:
+        ax.set_xticks(range(len(recipes)), [name.removeprefix("ours ") or "ours" for name in recipes], fontsize=7,
+                      rotation=15)
+        ax.set_xlim(-0.5, len(recipes) - 0.5)
     s = result["settings"]
-    ax.set(xlabel="time given (% of the seed recipe's training and evaluation)", ylabel="final validation accuracy (%)",
+    given = (f"ours and its variants at {shares_given[0]:g}% of the seed recipe's time" if len(shares_given) == 1
+             else "time given (% of the seed recipe's training and evaluation)")
+    ax.set(xlabel=given, ylabel="final validation accuracy (%)",
            title=f"{s['train_images']} training / {s['val_images']} validation images, {s['img_size']} px, from "
                  f"scratch, seeds {', '.join(map(str, s['seeds']))}\n{result['machine']['name']}")
     ax.title.set_fontsize(9)
