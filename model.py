@@ -3,6 +3,7 @@ its backbone, BatchNorm that syncs on the CPU, and the formats a trained model s
 torch.export, TorchScript)."""
 from __future__ import annotations
 
+import argparse
 import json
 import warnings
 from collections.abc import Callable
@@ -43,13 +44,61 @@ def check_model_name(name: str, zero_init_residual: bool = False) -> None:
                         f"not {name}")
 
 
-def create_model(num_classes: int, name: str = DEFAULT_MODEL, zero_init_residual: bool = False) -> nn.Module:
+def create_model(num_classes: int, name: str = DEFAULT_MODEL, zero_init_residual: bool = False,
+                 blurpool: bool = False) -> nn.Module:
     """A torchvision classification model by name, randomly initialised, with `num_classes` outputs.
     `zero_init_residual` (ResNets): each residual block's last BatchNorm starts at zero, so every
-    block starts as the identity and the network as a shallow one (Goyal et al., 2017)."""
+    block starts as the identity and the network as a shallow one (Goyal et al., 2017).
+    `blurpool`: its strided convolutions blur their input first (`BlurConv2d`)."""
     check_model_name(name, zero_init_residual)
     extra = {"zero_init_residual": True} if zero_init_residual else {}
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
+    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
+    if blurpool:
+        blur_strided_convolutions(model)
+    return model
+
+
+def model_for(args: argparse.Namespace, num_classes: int) -> nn.Module:
+    """The model the command line asks for: --model, --zero-init-residual, --blurpool."""
+    return create_model(num_classes, args.model, args.zero_init_residual, args.blurpool)
+
+
+class BlurConv2d(nn.Conv2d):
+    """A strided convolution that low-pass filters its input first, so that downsampling does
+    not alias (BlurPool: Zhang, "Making Convolutional Networks Shift-Invariant Again", 2019).
+    This is the cheap form MosaicML's Composer uses: a 3x3 binomial blur at stride 1, then the
+    convolution with its own stride. Zhang's form, the convolution at stride 1 then a strided
+    blur, does four times that convolution's arithmetic. The blur is a fixed buffer left out of
+    the state dict: the weights are the plain convolution's, and load either way."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        row = torch.tensor([1.0, 2.0, 1.0])
+        kernel = (row[:, None] * row[None, :]) / 16  # sums to 1: a flat image stays flat
+        self.register_buffer("blur", kernel.expand(self.in_channels, 1, 3, 3).clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Zero padding, as the convolution itself pads; one filter per channel (groups).
+        return super().forward(nn.functional.conv2d(x, self.blur.to(x.dtype), padding=1, groups=self.in_channels))
+
+
+# Composer leaves out convolutions of fewer input channels: the stem, on the 3 colour channels,
+# which must see the full-resolution picture as it is.
+BLUR_MIN_CHANNELS = 16
+
+
+def blur_strided_convolutions(model: nn.Module) -> None:
+    """Make every strided convolution of `model` (with 16 input channels or more) a
+    BlurConv2d with the same weights. In ResNet34: the first convolution of the first block of
+    layers 2 to 4 and its shortcut's. The max-pooling after the stem stays: its blurred form
+    pools at stride 1, four times the work at the network's largest feature map."""
+    for parent in list(model.modules()):
+        for name, conv in list(parent.named_children()):
+            if type(conv) is nn.Conv2d and conv.stride != (1, 1) and conv.in_channels >= BLUR_MIN_CHANNELS:
+                blurred = BlurConv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                                     conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode)
+                blurred.load_state_dict(conv.state_dict())
+                setattr(parent, name, blurred)
 
 
 def imagenet_state_dict(name: str) -> dict[str, torch.Tensor]:

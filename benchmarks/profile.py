@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.instruments import Run, write_result
 from benchmarks.ours_recipe import ours_plan
-from model import create_model
+from model import model_for
 from multi_train_utils.distributed_utils import setup_single
 from multi_train_utils.train_eval_utils import build_training, place_model, train_one_epoch
 
@@ -48,7 +48,7 @@ def kind_of(name: str) -> str:
 
 
 def flop_per_image(args: argparse.Namespace, device: torch.device) -> float:
-    model = create_model(5, args.model).to(device)
+    model = model_for(args, 5).to(device)
     counter = FlopCounterMode(display=False)
     with counter:  # two images: BatchNorm in training mode needs more than one value per channel
         model(torch.randn(2, 3, args.img_size, args.img_size, device=device)).sum().backward()
@@ -62,7 +62,7 @@ def profile_steps(args: argparse.Namespace) -> dict[str, Any]:
     plan = ours_plan(args.data_path, args.img_size, args.batch_size, device_option + args.options)
     ctx = setup_single(args.device)
     torch.manual_seed(0)
-    placed = place_model(create_model(len(plan.class_names), plan.args.model), plan.args, ctx.device)
+    placed = place_model(model_for(plan.args, len(plan.class_names)), plan.args, ctx.device)
     training = build_training(placed, plan.args, ctx, batches_per_epoch=args.steps)
     shape = (args.batch_size, 3, args.img_size, args.img_size)
     batch = (torch.randint(256, shape, dtype=torch.uint8, device=ctx.device).contiguous(memory_format=placed.memory_format),

@@ -24,7 +24,7 @@ from benchmarks.instruments import MemorySampler, Run, StepTimer, data_of_size, 
 from benchmarks.ours_recipe import OURS_OPTIONS, SAME_SYNTHETIC_AS_OURS, missing_option, ours_plan
 from benchmarks.seed_recipe import seed_loader, seed_model_and_optimizer, seed_train_one_epoch, seed_transforms
 from benchmarks.throughput_report import plot_throughput, summarise, throughput_table
-from model import create_model
+from model import model_for
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import (
     DistContext,
@@ -102,7 +102,7 @@ def build_trainer(job: Job, ctx: DistContext) -> Trainer:
     # Ours, assembled by the same functions as multi_train_utils.run.run.
     loader = build_loaders(split, job.plan, ctx)[0] if real else None
     torch.manual_seed(args.seed)
-    model = create_model(len(split.class_names))
+    model = model_for(args, len(split.class_names))
     placed = place_model(model, args, ctx.device)
     batches_per_epoch = max(1, len(split.train) // (args.batch_size * ctx.world_size))
     training = build_training(placed, args, ctx, batches_per_epoch)

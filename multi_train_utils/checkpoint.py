@@ -84,6 +84,12 @@ def architecture(checkpoint: dict[str, Any]) -> str:
     return checkpoint["args"].get("model", DEFAULT_MODEL)  # checkpoints from before --model: ResNet34
 
 
+def blurpool(checkpoint: dict[str, Any]) -> bool:
+    """Whether the model was trained with --blurpool: its weights load into either model, so the
+    flag, not the state dict, says which one computes what it learnt."""
+    return checkpoint["args"].get("blurpool", False)
+
+
 def shipped_weights(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The weights a user ships: the better of the model and its average (--ema)."""
     return checkpoint[checkpoint.get("better", "model")]
@@ -91,7 +97,7 @@ def shipped_weights(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def model_from_checkpoint(checkpoint: dict[str, Any]) -> nn.Module:
     """The trained model a checkpoint holds (its shipped weights), on the CPU, in eval mode."""
-    model = create_model(len(checkpoint["class_names"]), architecture(checkpoint))
+    model = create_model(len(checkpoint["class_names"]), architecture(checkpoint), blurpool=blurpool(checkpoint))
     model.load_state_dict(shipped_weights(checkpoint))
     return model.eval()
 
@@ -102,6 +108,9 @@ def restore_weights(checkpoint: dict[str, Any], model: nn.Module, args: argparse
         raise UserError(f"{source} was trained on classes {checkpoint['class_names']}, but the data has {class_names}")
     if architecture(checkpoint) != args.model:
         raise UserError(f"{source} holds a {architecture(checkpoint)}, not the --model {args.model} asked for")
+    if blurpool(checkpoint) != args.blurpool:
+        trained = "with" if blurpool(checkpoint) else "without"
+        raise UserError(f"{source} was trained {trained} --blurpool: give the same model ({trained} --blurpool)")
     # Evaluating a checkpoint means its shipped weights; continuing one, the trained weights.
     model.load_state_dict(shipped_weights(checkpoint) if args.eval_only else checkpoint["model"])
 

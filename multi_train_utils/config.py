@@ -127,6 +127,9 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     model.add_argument("--zero-init-residual", action=BoolFlag,
                        help="ResNets: start each residual block's last BatchNorm at zero, so the network starts "
                             "as a shallow one (torchvision's zero_init_residual)")
+    model.add_argument("--blurpool", action=BoolFlag,
+                       help="blur the input of every strided convolution before it (BlurPool, the cheap form "
+                            "MosaicML's Composer uses): downsampling without aliasing")
     model.add_argument("--freeze-layers", action=BoolFlag, help="train only the classifier")
     model.add_argument("--sync-bn", action=BoolFlag,
                        help="BatchNorm statistics over all processes (multi-process runs only)")

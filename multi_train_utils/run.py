@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 
-from model import create_model, freeze_backbone
+from model import freeze_backbone, model_for
 from multi_train_utils.budget import (
     EpochTime,
     budget_message,
@@ -122,7 +122,7 @@ def build_model(args: argparse.Namespace, class_names: list[str], checkpoint: di
                 source: str | None, ctx: DistContext) -> PlacedModel:
     """The model with its initial weights (seeded, --weights, or the checkpoint's), on the device."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in every rerun
-    model = create_model(len(class_names), args.model, args.zero_init_residual)
+    model = model_for(args, len(class_names))
     if args.weights:
         load_weights(model, args.weights, ctx.print0, args.model)
     if args.freeze_layers:

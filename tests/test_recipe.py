@@ -15,7 +15,7 @@ from torchvision.transforms import v2
 
 import predict
 import train_single_gpu
-from model import classifier, create_model, freeze_backbone
+from model import BlurConv2d, classifier, create_model, freeze_backbone
 from multi_train_utils.checkpoint import load_checkpoint, model_from_checkpoint
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.train_eval_utils import (
@@ -152,13 +152,32 @@ def test_zero_init_residual_starts_each_block_as_the_identity():
         assert torch.equal(block(x), torch.relu(x))  # the residual branch adds nothing
 
 
+def test_blurpool_blurs_the_strided_convolutions_and_keeps_their_weights():
+    torch.manual_seed(0)
+    plain = create_model(5)
+    torch.manual_seed(0)
+    blurred = create_model(5, blurpool=True)
+    names = [name for name, m in blurred.named_modules() if isinstance(m, BlurConv2d)]
+    assert names == [f"layer{i}.0.{conv}" for i in (2, 3, 4) for conv in ("conv1", "downsample.0")]
+    assert blurred.state_dict().keys() == plain.state_dict().keys()  # the blur is no weight
+    assert all(torch.equal(a, b) for a, b in zip(blurred.state_dict().values(), plain.state_dict().values()))
+    conv, blur = plain.layer2[0].conv1, blurred.layer2[0].conv1
+    with torch.no_grad():
+        flat = torch.ones(1, 64, 12, 12)
+        assert torch.allclose(blur(flat)[..., 1:-1, 1:-1], conv(flat)[..., 1:-1, 1:-1])  # away from the zero padding
+        # The finest pattern, which a stride of 2 would alias, is filtered out.
+        rows, cols = torch.meshgrid(torch.arange(12), torch.arange(12), indexing="ij")
+        checkerboard = ((rows + cols) % 2 * 2 - 1).float().expand(1, 64, 12, 12)
+        assert blur(checkerboard)[..., 1:-1, 1:-1].abs().max() < 1e-5 < conv(checkerboard).abs().max()
+
+
 @pytest.mark.slow
 def test_a_run_with_another_model_an_average_and_mirror_evaluation(tmp_path, capsys):
-    """resnet18 with --ema: the checkpoint names the model and holds both weight sets; best.pth
-    says which one scored better and holds it; predict.py and --eval-only rebuild that model;
-    resuming it as another model is refused."""
+    """resnet18 with --ema and --blurpool: the checkpoint names the model and holds both weight
+    sets; best.pth says which one scored better and holds it; predict.py and --eval-only rebuild
+    that model; resuming it as another model is refused."""
     out = tmp_path / "run"
-    recipe = ["--model", "resnet18", "--ema", "--ema-decay", "0.9", "--tta", "--val-img-size", "40"]
+    recipe = ["--model", "resnet18", "--blurpool", "--ema", "--ema-decay", "0.9", "--tta", "--val-img-size", "40"]
     result = ok(train("single", out, "--epochs", "2", *recipe))
     ckpt = load_checkpoint(out / "best.pth")
     assert ckpt["args"]["model"] == "resnet18" and ckpt["better"] in ("model", "ema")
@@ -168,7 +187,9 @@ def test_a_run_with_another_model_an_average_and_mirror_evaluation(tmp_path, cap
     assert ckpt["epoch"] == best["epoch"]
     assert ckpt["better"] == ("ema" if best["ema_val_acc"] > best["val_acc"] else "model")
     assert f"(epoch {ckpt['epoch']}{' weight average' if ckpt['better'] == 'ema' else ''})" in result.stdout
-    assert sum(p.numel() for p in model_from_checkpoint(ckpt).parameters()) < 12_000_000  # resnet18, not 34
+    rebuilt = model_from_checkpoint(ckpt)
+    assert sum(p.numel() for p in rebuilt.parameters()) < 12_000_000  # resnet18, not 34
+    assert isinstance(rebuilt.layer2[0].conv1, BlurConv2d)
     # --eval-only gives the count the run logged for the weights best.pth ships
     shipped = f"{'ema_' if ckpt['better'] == 'ema' else ''}val_correct"
     ok(train("single", tmp_path / "eval", "--eval-only", "--resume", str(out / "best.pth"), *recipe))
@@ -177,6 +198,9 @@ def test_a_run_with_another_model_an_average_and_mirror_evaluation(tmp_path, cap
     line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path / "other"),
                                               "--resume", str(out / "last.pth"), *FAST], capsys)
     assert "holds a resnet18, not the --model resnet34 asked for" in line
+    line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path / "other"),
+                                              "--resume", str(out / "last.pth"), "--model", "resnet18", *FAST], capsys)
+    assert "was trained with --blurpool" in line
 
 
 
