@@ -56,12 +56,17 @@ def spread(values: list[float]) -> dict[str, float]:
             "min": min(values), "max": max(values), "n": len(values)}
 
 
+def final_acc(run: dict[str, Any]) -> float:
+    """A run's validation accuracy after its last epoch (its curve: (seconds, accuracy) per epoch)."""
+    return run["curve"][-1][1]
+
+
 def summarise(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     """Per recipe over seeds: final accuracy, time, and (for ours) the time to the seed
     recipe's final accuracy of the same seed, as a share of the seed recipe's time."""
     summary = {}
     for name, by_seed in runs.items():
-        finals = [r["curve"][-1][1] for r in by_seed.values()]
+        finals = [final_acc(r) for r in by_seed.values()]
         entry = {"final_val_acc": spread(finals), "seconds": spread([r["curve"][-1][0] for r in by_seed.values()])}
         if name != "seed" and "seed" in runs:
             shares, missed = [], 0
@@ -72,11 +77,11 @@ def summarise(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
                     missed += 1
                 else:
                     shares.append(reached / target[-1][0])
-            entry["points_above_seed"] = spread([100 * (r["curve"][-1][1] - runs["seed"][s]["curve"][-1][1])
+            entry["points_above_seed"] = spread([100 * (final_acc(r) - final_acc(runs["seed"][s]))
                                                  for s, r in by_seed.items()])
             entry["time_to_seed_accuracy_share"] = spread(shares) if shares else None
             entry["seeds_never_reaching_seed_accuracy"] = missed
-            entry["seeds_ending_at_or_above_seed"] = sum(r["curve"][-1][1] >= runs["seed"][s]["curve"][-1][1]
+            entry["seeds_ending_at_or_above_seed"] = sum(final_acc(r) >= final_acc(runs["seed"][s])
                                                          for s, r in by_seed.items())
         summary[name] = entry
     return summary
@@ -194,7 +199,7 @@ def plot_budgets(result: dict[str, Any], path: Path) -> None:
         shares, runs = zip(*sorted(points))
         accs = [summary[run]["final_val_acc"] for run in runs]
         if len(shares_given) == 1:  # one x per recipe: its seeds, and their mean ± std
-            finals = [100 * r["curve"][-1][1] for r in result["runs"][runs[0]].values()]
+            finals = [100 * final_acc(r) for r in result["runs"][runs[0]].values()]
             ax.plot([i] * len(finals), finals, ".", color=f"C{i}", alpha=0.5)
             shares = (i,)
         ax.errorbar(shares, [100 * a["mean"] for a in accs], yerr=[100 * a["std"] for a in accs], fmt="o-",
