@@ -53,8 +53,9 @@ def create_model(num_classes: int, name: str = DEFAULT_MODEL, zero_init_residual
     check_model_name(name, zero_init_residual)
     extra = {"zero_init_residual": True} if zero_init_residual else {}
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
-    if blurpool:
-        blur_strided_convolutions(model)
+    if blurpool and not blur_strided_convolutions(model):
+        raise UserError(f"--blurpool blurs strided convolutions of {BLUR_MIN_CHANNELS} input channels or more, "
+                        f"and {name} has none")
     return model
 
 
@@ -87,11 +88,12 @@ class BlurConv2d(nn.Conv2d):
 BLUR_MIN_CHANNELS = 16
 
 
-def blur_strided_convolutions(model: nn.Module) -> None:
-    """Make every strided convolution of `model` (with 16 input channels or more) a
-    BlurConv2d with the same weights. In ResNet34: the first convolution of the first block of
-    layers 2 to 4 and its shortcut's. The max-pooling after the stem stays: its blurred form
+def blur_strided_convolutions(model: nn.Module) -> int:
+    """Make every strided convolution of `model` (with 16 input channels or more) a BlurConv2d
+    with the same weights, and say how many there were. In ResNet34: the first convolution of
+    the first block of layers 2 to 4 and its shortcut's. The max-pooling after the stem stays: its blurred form
     pools at stride 1, four times the work at the network's largest feature map."""
+    blurred_count = 0
     for parent in list(model.modules()):
         for name, conv in list(parent.named_children()):
             if type(conv) is nn.Conv2d and conv.stride != (1, 1) and conv.in_channels >= BLUR_MIN_CHANNELS:
@@ -99,6 +101,8 @@ def blur_strided_convolutions(model: nn.Module) -> None:
                                      conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode)
                 blurred.load_state_dict(conv.state_dict())
                 setattr(parent, name, blurred)
+                blurred_count += 1
+    return blurred_count
 
 
 def imagenet_state_dict(name: str) -> dict[str, torch.Tensor]:

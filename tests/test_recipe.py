@@ -27,7 +27,7 @@ from multi_train_utils.train_eval_utils import (
     train_one_epoch,
 )
 from my_dataset import Augmentation, MyDataSet, SizeSchedule, build_transform, eval_img_size, train_transforms
-from utils import list_images
+from utils import UserError, list_images
 
 CPU = torch.device("cpu")
 
@@ -169,6 +169,8 @@ def test_blurpool_blurs_the_strided_convolutions_and_keeps_their_weights():
         rows, cols = torch.meshgrid(torch.arange(12), torch.arange(12), indexing="ij")
         checkerboard = ((rows + cols) % 2 * 2 - 1).float().expand(1, 64, 12, 12)
         assert blur(checkerboard)[..., 1:-1, 1:-1].abs().max() < 1e-5 < conv(checkerboard).abs().max()
+    with pytest.raises(UserError, match="vit_b_16 has none"):  # its only strided convolution reads the 3 colours
+        create_model(5, "vit_b_16", blurpool=True)
 
 
 @pytest.mark.slow
