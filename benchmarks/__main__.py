@@ -6,7 +6,7 @@ import argparse
 import benchmarks
 from benchmarks.accuracy import accuracy
 from benchmarks.data import data_paths
-from benchmarks.endtoend import endtoend
+from benchmarks.endtoend import LAUNCHERS, endtoend, tree_spec
 from benchmarks.ours_recipe import CONFIGS
 from benchmarks.profile import profile_steps
 from benchmarks.startup import startup
@@ -88,9 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--repeats", type=int, default=3)
     e.add_argument("--variant", action="append", default=[], metavar="OPTIONS",
-                   help="time train_single_gpu.py with these options (repeatable; they override the ones above), "
+                   help="time the launcher with these options (repeatable; they override the ones above), "
                         "e.g. --variant '' --variant '--compile --batch-size 256'; one option alone needs the = "
                         "form: --variant=--compile (default: one run of the defaults)")
+    e.add_argument("--launcher", choices=list(LAUNCHERS), default="single")
+    e.add_argument("--nproc", type=int, default=None, help="processes for spawn and torchrun (default 2)")
+    e.add_argument("--tree", action="append", default=[], type=tree_spec, metavar="NAME=PATH",
+                   help="run the same commands in this checkout too (repeatable; e.g. a `git worktree` of an "
+                        "older commit, for a before-and-after in one sitting; default: this checkout alone)")
 
     p = sub.add_parser("profile", help="where one training step of ours spends the device's time, by kind of kernel")
     common(p, "docs/benchmark/profile.json", 224)
