@@ -129,6 +129,31 @@ def restore_progress(checkpoint: dict[str, Any], optimizer: torch.optim.Optimize
                     checkpoint.get("seconds_used", 0.0), checkpoint.get("slowest_train", 0.0))
 
 
+def snapshot(obj: Any) -> Any:
+    """A copy of a checkpoint, taken now, in host memory: training goes on changing the tensors
+    it names while a background writer saves the copy. GPU tensors go to pinned memory, all
+    copies queued first and waited for once."""
+    copies: list[torch.Tensor] = []
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "cpu":
+                return value.detach().clone()
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            copies.append(host.copy_(value.detach(), non_blocking=True))
+            return host
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(copy(v) for v in value)
+        return value
+
+    result = copy(obj)
+    if copies:
+        torch.cuda.synchronize()
+    return result
+
+
 def save_atomic(obj: Any, path: Path) -> None:
     """Write to a temporary file beside `path`, fsync, then rename over it: a crash or a kill
     at any moment leaves either the old file or the new one, never half of one."""

@@ -6,11 +6,13 @@ exists, so the single-process path runs the same code as DDP.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
 import os
 import signal
 import socket
+import sys
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
@@ -309,6 +311,14 @@ def stop(processes: list, grace_seconds: float = STOP_GRACE_SECONDS) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+def die_with_parent() -> None:
+    """End this child process the moment the process that started it ends, however that one
+    ended: otherwise a child orphaned by SIGKILL lingers, holding the job's terminal or log pipe
+    open after the launcher has gone."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
 def forward_signal(processes: list, signum: int) -> None:

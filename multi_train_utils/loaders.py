@@ -3,13 +3,11 @@ training images on the device (--device-augment), and the training and validatio
 their distributed samplers."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import mmap
 import os
 import secrets
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -31,6 +29,7 @@ from multi_train_utils.distributed_utils import (
     all_reduce_sum,
     barrier,
     broadcast_object,
+    die_with_parent,
     gather_objects,
 )
 from my_dataset import (
@@ -163,11 +162,9 @@ def readable_split(plan: Plan, ctx: DistContext) -> DataSplit:
 
 
 def start_worker(_worker_id: int) -> None:
-    """Set up a loader worker. It ends the moment its training process does, however that one
-    ended: otherwise a worker orphaned by SIGKILL lingers until PyTorch's watchdog notices,
-    holding the job's terminal or log pipe open after the launcher has gone."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    """Set up a loader worker: it ends with its training process (sooner than PyTorch's
+    watchdog would notice), and drops no traceback about a handover cut short."""
+    die_with_parent()
     sys.excepthook = quiet_dropped_handover(sys.excepthook)
 
 
@@ -247,8 +244,68 @@ class DeviceAugmentedLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         size = (self.sampler.sizes or self.sizes)(self.sampler.epoch or 1)
-        for draws, labels in self.draws:
-            yield self.crops(draws, size), labels
+        draws = iter(self.draws)  # now, not at the first batch: the workers start drawing at once
+        return ((self.crops(batch, size), labels) for batch, labels in draws)
+
+
+class StartedPass:
+    """One pass over a loader, begun when made: a DataLoader's iterator hands its workers the
+    first batches' indices at once (persistent workers are kept and given the new pass).
+    `then` is called as the last batch is handed over, to begin another pass while the last
+    step computes."""
+
+    def __init__(self, loader: DataLoader | DeviceAugmentedLoader, then: Callable[[], None] | None = None):
+        self.sampler = loader.sampler
+        self._length = len(loader)
+        self._batches = iter(loader)
+        self._then = then
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for number, batch in enumerate(self._batches, start=1):
+            if number == self._length and self._then is not None:
+                self._then()
+            yield batch
+
+
+class EpochPasses:
+    """The training and validation passes of each epoch, each begun ahead of its use: the next
+    epoch's training batches load while the model evaluates, and with `val_ahead` the
+    validation batches while the last training steps run. What a batch holds depends on (seed,
+    epoch, index) alone (docs/exactness.md), never on when it was loaded."""
+
+    def __init__(self, train_loader: DataLoader | DeviceAugmentedLoader, val_loader: DataLoader, val_ahead: bool):
+        self.train_loader = train_loader
+        self.val_loader = val_loader
+        self.val_ahead = val_ahead
+        self._ahead: tuple[int, StartedPass] | None = None  # (epoch, its training pass)
+        self._val: StartedPass | None = None
+
+    def train(self, epoch: int, skip: int = 0) -> StartedPass:
+        """Epoch `epoch`'s training pass after its first `skip` samples: begun ahead, or now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == epoch and skip == 0:
+            return ahead[1]
+        self.train_loader.sampler.set_epoch(epoch, skip=skip)
+        return self._train_pass()
+
+    def begin_train(self, epoch: int) -> None:
+        """Begin epoch `epoch`'s training pass now (its crop sizes must be fixed by then)."""
+        self.train_loader.sampler.set_epoch(epoch)
+        self._ahead = epoch, self._train_pass()
+
+    def _train_pass(self) -> StartedPass:
+        return StartedPass(self.train_loader, then=self._begin_val if self.val_ahead else None)
+
+    def val(self) -> StartedPass:
+        """A validation pass: the one begun during training, or a new one."""
+        begun, self._val = self._val, None
+        return begun or StartedPass(self.val_loader)
+
+    def _begin_val(self) -> None:
+        self._val = StartedPass(self.val_loader)
 
 
 def device_crops(split: DataSplit, side: int, ctx: DistContext, cache: PixelCache | None) -> DeviceCrops:

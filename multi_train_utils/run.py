@@ -10,13 +10,14 @@ import argparse
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from torch.utils.tensorboard import SummaryWriter
 
 from model import freeze_backbone, model_for
 from multi_train_utils.budget import (
@@ -45,32 +46,32 @@ from multi_train_utils.distributed_utils import (
     broadcast_buffers,
     broadcast_object,
 )
-from multi_train_utils.loaders import build_loaders, run_data
+from multi_train_utils.loaders import DeviceAugmentedLoader, EpochPasses, RunData, build_loaders, run_data
+from multi_train_utils.plotter import Plotter
 from multi_train_utils.report import evaluation_report, report_line, write_report
 from multi_train_utils.run_folder import (
     BEST,
     LAST,
+    EpochWriter,
     prepare_output_dir,
     record_budget_epochs,
     resolve_resume,
-    save_epoch,
-    save_position,
     write_run_files,
 )
 from multi_train_utils.train_eval_utils import (
+    Outputs,
     PlacedModel,
     StoppedInEpoch,
     Training,
     build_schedule,
     build_training,
-    evaluate,
     global_batch,
     peak_lr,
     place_model,
-    predictions,
     train_one_epoch,
+    validation_metrics,
+    validation_outputs,
 )
-from plots import save_report_plots, save_run_plots
 from utils import DataSplit, Preempted, write_json
 
 
@@ -78,31 +79,102 @@ def run(plan: Plan, ctx: DistContext) -> None:
     started = clock()
     args = plan.args
     output_dir = prepare_output_dir(plan, ctx)
-    resume_path = resolve_resume(plan, output_dir, ctx)
-    data = run_data(plan, resume_path, ctx)
-    split = data.split
-    announce(plan, split, output_dir, ctx)
-    checkpoint = load_checkpoint(resume_path) if resume_path else None
-    placed = build_model(args, split.class_names, checkpoint, resume_path, ctx)
-    train_loader, val_loader = build_loaders(split, plan, ctx)
-    if args.eval_only:
-        evaluate_only(placed, val_loader, split, resume_path or args.weights, output_dir, args.plots, ctx)
-        return
-    training = build_training(placed, args, ctx, len(train_loader))
-    progress = resume(training, checkpoint, resume_path, args, data.lost_files, ctx)
-    del checkpoint  # the optimizer state is in the optimizer now: no second copy
-    if ctx.is_main:
-        write_run_files(output_dir, plan, data, progress.epoch, ctx)
-    epochs_started = clock()
-    train_epochs(training, train_loader, val_loader, plan, split, progress, output_dir, ctx)
-    epochs_ended = clock()
-    best = use_best_weights(output_dir, training.placed.module, ctx)
-    final_report(training.placed, val_loader, split, best, output_dir, ctx)
-    if ctx.is_main and args.plots:
-        save_run_plots(output_dir, split, args.img_size, args.seed)
-    ctx.print0(f"time: start-up {epochs_started - started:.1f}s, epochs {epochs_ended - epochs_started:.1f}s, "
-               f"final report and plots {clock() - epochs_ended:.1f}s")
+    plotter = Plotter(output_dir) if ctx.is_main and args.plots else None  # forked before any thread starts
+    with plotter or contextlib.nullcontext():
+        resume_path = resolve_resume(plan, output_dir, ctx)
+        checkpoint = load_checkpoint(resume_path) if resume_path else None
+        begun = start_up(plan, checkpoint, resume_path, output_dir, ctx)
+        if args.eval_only:
+            evaluate_only(begun.placed, begun.val_loader, begun.data.split, resume_path or args.weights, output_dir,
+                          plotter, ctx)
+            return
+        training = build_training(begun.placed, args, ctx, len(begun.train_loader))
+        progress = resume(training, checkpoint, resume_path, args, begun.data.lost_files, ctx)
+        del checkpoint  # the optimizer state is in the optimizer now: no second copy
+        if ctx.is_main:
+            write_run_files(output_dir, plan, begun.data, progress.epoch, ctx)
+        if plotter:
+            plotter.draw_data()  # the class balance and augmented samples: split.json and config.json exist now
+        epochs_started = clock()
+        # On the CPU the last training steps use every core already: loading the validation
+        # batches beside them would only move time from evaluation into training.
+        passes = EpochPasses(begun.train_loader, begun.val_loader, val_ahead=ctx.device.type != "cpu")
+        best = train_epochs(training, passes, plan, begun.data.split, progress, output_dir, ctx)
+        epochs_ended = clock()
+        report_of_best(best, training.placed, begun.val_loader, begun.data.split, output_dir, ctx)
+        reported = clock()
+        if plotter:
+            plotter.draw_results()
+    ctx.print0(f"time: start-up {epochs_started - started:.1f}s ({begun.phases}), "
+               f"epochs {epochs_ended - epochs_started:.1f}s, final report {reported - epochs_ended:.1f}s"
+               + (f", {plotter.waited_line()}" if plotter else ""))
     ctx.print0(f"done: best val_acc {progress.best_acc:.4f}; checkpoints and logs in {output_dir}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Begun:
+    """What the start-up made: the run's files, its model on the device, its loaders, and the
+    seconds each part took (for the `time:` line)."""
+
+    data: RunData
+    placed: PlacedModel
+    train_loader: DataLoader | DeviceAugmentedLoader
+    val_loader: DataLoader
+    phases: Phases
+
+
+def start_up(plan: Plan, checkpoint: dict[str, Any] | None, resume_path: str | None, output_dir: Path,
+             ctx: DistContext) -> Begun:
+    """The data and the model, side by side: the model is built on a thread of its own while
+    this one lists, checks and splits the photos and makes the loaders, since neither needs the
+    other (on a GPU, CUDA's start alone takes seconds). Nothing on this thread draws from torch's
+    random generator, so the seeded weights are those a model built alone would have."""
+    phases, said = Phases(), []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="model") as beside:
+        building = beside.submit(phases.timed, "model", build_model, plan.args, classes_to_build(plan, checkpoint),
+                                 ctx.device, said.append)
+        data = phases.timed("data", run_data, plan, resume_path, ctx)
+        announce(plan, data.split, output_dir, ctx)
+        train_loader, val_loader = phases.timed("loaders", build_loaders, data.split, plan, ctx)
+        placed = phases.waited_for("model", building)
+    for line in said:
+        ctx.print0(line)
+    if checkpoint is not None:
+        restore_weights(checkpoint, placed.module, plan.args, data.split.class_names, resume_path)
+    return Begun(data, placed, train_loader, val_loader, phases)
+
+
+class Phases:
+    """Phases of the start-up and their seconds, said as "data 0.1s, model 0.3s (waited 0.2s)"."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.waits: dict[str, float] = {}
+
+    def timed(self, phase: str, step: Callable[..., Any], *args: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return step(*args)
+        finally:
+            self.seconds[phase] = time.perf_counter() - began
+
+    def waited_for(self, phase: str, running: Future) -> Any:
+        """`running`'s result, noting how long this thread waited for it."""
+        began = time.perf_counter()
+        try:
+            return running.result()
+        finally:
+            self.waits[phase] = time.perf_counter() - began
+
+    def __str__(self) -> str:
+        return ", ".join(f"{phase} {seconds:.1f}s" + (f" (waited {self.waits[phase]:.1f}s)" if phase in self.waits else "")
+                         for phase, seconds in self.seconds.items())
+
+
+def classes_to_build(plan: Plan, checkpoint: dict[str, Any] | None) -> int:
+    """The model's class count, known before the split: a resumed run's checkpoint's, else the
+    folder's (leaving out unreadable files never empties a class: that is an error)."""
+    return len(checkpoint["class_names"] if checkpoint is not None else plan.class_names)
 
 
 def announce(plan: Plan, split: DataSplit, output_dir: Path, ctx: DistContext) -> None:
@@ -118,20 +190,19 @@ def announce(plan: Plan, split: DataSplit, output_dir: Path, ctx: DistContext) -
     )
 
 
-def build_model(args: argparse.Namespace, class_names: list[str], checkpoint: dict[str, Any] | None,
-                source: str | None, ctx: DistContext) -> PlacedModel:
-    """The model with its initial weights (seeded, --weights, or the checkpoint's), on the device."""
-    torch.manual_seed(args.seed)  # the same initial weights on every rank and in every rerun
-    model = model_for(args, len(class_names))
+def build_model(args: argparse.Namespace, num_classes: int, device: torch.device,
+                say: Callable[[str], None]) -> PlacedModel:
+    """The model with its initial weights (seeded, or --weights), on the device. `say` keeps
+    its lines for the caller to print in order: this runs beside the data's start-up."""
+    torch.manual_seed(args.seed)  # the same initial weights in every rerun (DDP then copies rank 0's to all)
+    model = model_for(args, num_classes)
     if args.weights:
-        load_weights(model, args.weights, ctx.print0, args.model)
+        load_weights(model, args.weights, say, args.model)
     if args.freeze_layers:
         freeze_backbone(model)
-    if checkpoint is not None:
-        restore_weights(checkpoint, model, args, class_names, source)
-    placed = place_model(model, args, ctx.device)
+    placed = place_model(model, args, device)
     precision = "fp32" if placed.amp_dtype is None else str(placed.amp_dtype).removeprefix("torch.") + " autocast"
-    ctx.print0(f"precision: {precision}, memory format: {'channels_last' if args.channels_last else 'NCHW'}")
+    say(f"precision: {precision}, memory format: {'channels_last' if args.channels_last else 'NCHW'}")
     return placed
 
 
@@ -160,15 +231,42 @@ def resume(training: Training, checkpoint: dict[str, Any] | None, source: str | 
 
 
 def evaluate_only(placed: PlacedModel, val_loader: DataLoader, split: DataSplit, source: str, output_dir: Path,
-                  plots: bool, ctx: DistContext) -> None:
-    result = evaluate(placed, val_loader, ctx)
+                  plotter: Plotter | None, ctx: DistContext) -> None:
+    """--eval-only: one pass over the validation set gives eval.json and the report."""
+    outputs = validation_outputs(placed, val_loader)
+    result = validation_metrics(outputs, ctx)
     ctx.print0(f"eval {source}: acc {result['val_acc']:.4f} ({result['val_correct']}/{result['val_total']}), "
                f"loss {result['val_loss']:.4f}")
     if ctx.is_main:
         write_json(output_dir / "eval.json", {**result, "weights": source, "world_size": ctx.world_size})
-    final_report(placed, val_loader, split, source, output_dir, ctx)
-    if ctx.is_main and plots:
-        save_report_plots(output_dir)
+    final_report(outputs, split, source, output_dir, ctx)
+    if plotter:
+        plotter.draw_report()
+
+
+@dataclasses.dataclass(frozen=True)
+class BestEpoch:
+    """The best epoch of this run so far, and this rank's validation outputs of the weights
+    best.pth ships (the model's or the average's): the final report is made from them."""
+
+    epoch: int
+    better: str  # "model" or "ema"
+    outputs: Outputs
+
+
+def report_of_best(best: BestEpoch | None, placed: PlacedModel, val_loader: DataLoader, split: DataSplit,
+                   output_dir: Path, ctx: DistContext) -> None:
+    """report.json for best.pth's weights, from the outputs its epoch's evaluation kept. When
+    that epoch ran before a resume, best.pth is loaded and evaluated again."""
+    if best is not None:
+        final_report(best.outputs, split, best_source(output_dir / BEST, best.epoch, best.better), output_dir, ctx)
+        return
+    source = use_best_weights(output_dir, placed.module, ctx)
+    final_report(validation_outputs(placed, val_loader), split, source, output_dir, ctx)
+
+
+def best_source(path: Path, epoch: int, better: str) -> str:
+    return f"{path} (epoch {epoch}{' weight average' if better == 'ema' else ''})"
 
 
 def use_best_weights(output_dir: Path, model: nn.Module, ctx: DistContext) -> str:
@@ -179,15 +277,12 @@ def use_best_weights(output_dir: Path, model: nn.Module, ctx: DistContext) -> st
         return "the final weights"
     checkpoint = load_checkpoint(best, mmap=True)
     model.load_state_dict(shipped_weights(checkpoint))
-    average = " weight average" if checkpoint.get("better") == "ema" else ""
-    return f"{best} (epoch {checkpoint['epoch']}{average})"
+    return best_source(best, checkpoint["epoch"], checkpoint.get("better", "model"))
 
 
-@torch.no_grad()
-def final_report(placed: PlacedModel, val_loader: DataLoader, split: DataSplit, source: str, output_dir: Path,
-                 ctx: DistContext) -> None:
-    """report.json and confusion_matrix.csv for the weights in `placed`, which came from `source`."""
-    report = evaluation_report(predictions(placed, val_loader), ctx, split, source)
+def final_report(outputs: Outputs, split: DataSplit, source: str, output_dir: Path, ctx: DistContext) -> None:
+    """report.json and confusion_matrix.csv for the weights that gave `outputs`, which came from `source`."""
+    report = evaluation_report(outputs, ctx, split, source)
     ctx.print0(report_line(report))
     if ctx.is_main:
         write_report(output_dir, report)
@@ -197,15 +292,18 @@ def final_report(placed: PlacedModel, val_loader: DataLoader, split: DataSplit, 
 clock = time.perf_counter
 
 
-def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataLoader, plan: Plan, split: DataSplit,
-                 progress: Progress, output_dir: Path, ctx: DistContext) -> None:
-    """Train, evaluate and save, epoch after epoch, from where `progress` stands. Under
-    --time-budget, epoch 1 fixes how many epochs the run trains, and the run ends early when
-    the next epoch's training would not fit in what is left of the budget."""
+def train_epochs(training: Training, passes: EpochPasses, plan: Plan, split: DataSplit, progress: Progress,
+                 output_dir: Path, ctx: DistContext) -> BestEpoch | None:
+    """Train, evaluate and save, epoch after epoch, from where `progress` stands; the best
+    epoch this call trained, if any beat the ones before. Under --time-budget, epoch 1 fixes
+    how many epochs the run trains, and the run ends early when the next epoch's training
+    would not fit in what is left of the budget."""
     args = plan.args
     budget = budget_seconds(args)
-    writer = SummaryWriter(log_dir=str(output_dir)) if ctx.is_main else contextlib.nullcontext()
-    with TerminationRequest() as termination, writer:
+    train_loader = passes.train_loader
+    files = EpochWriter(output_dir) if ctx.is_main else None
+    best = None
+    with TerminationRequest() as termination, files or contextlib.nullcontext():
         training = dataclasses.replace(training, stop_requested=termination)
         if progress.budget_epochs:  # resumed: the count stays the one fixed before
             training = sized_to(progress.budget_epochs, training, train_loader, args, output_dir, ctx)
@@ -217,24 +315,28 @@ def train_epochs(training: Training, train_loader: DataLoader, val_loader: DataL
                 break
             steps_before = progress.steps_in_epoch
             started = clock()
-            train = train_or_stop(training, train_loader, epoch, progress, args, split, output_dir, ctx)
+            train = train_or_stop(training, passes, epoch, progress, args, split, output_dir, files, ctx)
             trained = clock()
-            val, better = evaluate_epoch(training, val_loader, ctx)
+            if epoch < epochs_of(progress, args) and (progress.budget_epochs or not budget):
+                passes.begin_train(epoch + 1)  # its batches load while the model evaluates
+            val, better, outputs = evaluate_epoch(training, passes, ctx)
             took = EpochTime(trained - started, clock() - trained)
             record = epoch_record(epoch, train, val, training, split, took.train, took.eval, ctx)
             is_best = progress.record(epoch, max(val["val_acc"], val.get("ema_val_acc", 0.0)),  # the better one's
                                       took.train, took.eval)
+            if is_best:
+                best = BestEpoch(epoch, better, outputs)
             if budget and progress.budget_epochs is None:  # epoch 1 timed: fix the count the checkpoint records
                 whole = EpochTime(took.train * (1 + steps_before / max(1, len(train_loader))), took.eval)
                 progress.budget_epochs = fix_epochs(budget, whole, args, ctx)
                 training = sized_to(progress.budget_epochs, training, train_loader, args, output_dir, ctx)
-            if ctx.is_main:
-                save_epoch(output_dir, checkpoint_of(training, progress, args, split, ctx, better), record, is_best,
-                           writer)
+            if files:
+                files.save_epoch(checkpoint_of(training, progress, args, split, ctx, better), record, is_best)
                 print(epoch_line(record, epochs_of(progress, args), is_best), flush=True)
             # The other ranks do not wait for these writes: they meet rank 0 again at its next
             # collective (the next epoch's, or the final report's).
             epoch += 1
+    return best
 
 
 def epochs_of(progress: Progress, args: argparse.Namespace) -> int:
@@ -286,33 +388,37 @@ def agree_to_go_on(budget: float, epoch: int, resumed: bool, progress: Progress,
     return False
 
 
-def evaluate_epoch(training: Training, val_loader: DataLoader, ctx: DistContext) -> tuple[dict[str, float], str]:
+def evaluate_epoch(training: Training, passes: EpochPasses, ctx: DistContext) -> tuple[dict[str, float], str, Outputs]:
     """The model's validation metrics, and its weight average's (as ema_*) when there is one;
-    and which of the two, "model" or "ema", scored higher. BatchNorm statistics come from rank
-    0 first: every rank then evaluates the same weights."""
+    which of the two, "model" or "ema", scored higher; and that one's outputs. BatchNorm
+    statistics come from rank 0 first: every rank then evaluates the same weights."""
     broadcast_buffers(training.placed.module, ctx)
-    val = evaluate(training.placed, val_loader, ctx)
+    outputs = validation_outputs(training.placed, passes.val())
+    val = validation_metrics(outputs, ctx)
     if training.ema is None:
-        return val, "model"
+        return val, "model", outputs
     broadcast_buffers(training.ema.module, ctx)
-    average = evaluate(dataclasses.replace(training.placed, module=training.ema.module), val_loader, ctx)
+    average_outputs = validation_outputs(dataclasses.replace(training.placed, module=training.ema.module), passes.val())
+    average = validation_metrics(average_outputs, ctx)
     val.update({f"ema_{k}": v for k, v in average.items()})
-    return val, "ema" if average["val_acc"] > val["val_acc"] else "model"
+    if average["val_acc"] > val["val_acc"]:
+        return val, "ema", average_outputs
+    return val, "model", outputs
 
 
-def train_or_stop(training: Training, train_loader: DataLoader, epoch: int, progress: Progress,
-                  args: argparse.Namespace, split: DataSplit, output_dir: Path, ctx: DistContext) -> dict[str, float]:
+def train_or_stop(training: Training, passes: EpochPasses, epoch: int, progress: Progress, args: argparse.Namespace,
+                  split: DataSplit, output_dir: Path, files: EpochWriter | None, ctx: DistContext) -> dict[str, float]:
     """One training epoch, or what a stopped run left of it. On SIGTERM every process stops at
     the same step, rank 0 saves that position, and the run ends with Preempted."""
-    train_loader.sampler.set_epoch(epoch, skip=progress.steps_in_epoch * args.batch_size)
+    batches = passes.train(epoch, skip=progress.steps_in_epoch * args.batch_size)
     try:
-        return train_one_epoch(training, train_loader, ctx, epoch, epochs_of(progress, args),
+        return train_one_epoch(training, batches, ctx, epoch, epochs_of(progress, args),
                                progress.steps_in_epoch, progress.epoch_sums)
     except StoppedInEpoch as stop:
-        if ctx.is_main:
+        if files:
             stopped = dataclasses.replace(progress, epoch=epoch - 1, steps_in_epoch=stop.steps_done,
                                           epoch_sums=tuple(stop.sums))
-            save_position(output_dir, checkpoint_of(training, stopped, args, split, ctx))
+            files.save_position(checkpoint_of(training, stopped, args, split, ctx))
         barrier(ctx)  # no process exits (and no launcher ends the job) before last.pth is on disk
         raise Preempted(f"SIGTERM: every process stopped after step {stop.steps_done} of epoch {epoch}; "
                         f"{output_dir / LAST} holds the position: resume with --resume auto") from None

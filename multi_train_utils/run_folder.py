@@ -2,20 +2,21 @@
 
     config.json  class_indices.json  split.json     once, at the start (--time-budget's
                                                     epoch count added after epoch 1)
-    last.pth  best.pth  metrics.jsonl  TensorBoard  after every epoch
+    last.pth  best.pth  metrics.jsonl  TensorBoard  after every epoch, by a background thread
     eval.json                                       with --eval-only
 """
 from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from multi_train_utils.checkpoint import copy_atomic, save_atomic
+from multi_train_utils.checkpoint import copy_atomic, save_atomic, snapshot
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import DistContext, broadcast_object
 from multi_train_utils.loaders import RunData
@@ -105,3 +106,50 @@ def save_epoch(output_dir: Path, checkpoint: dict[str, Any], record: dict[str, A
     for key in TENSORBOARD_SCALARS:
         writer.add_scalar(key, record[key], record["epoch"])
     writer.flush()
+
+
+class EpochWriter:
+    """Rank 0's files of each epoch, written by one thread beside the training loop: the loop
+    hands over a copy of the checkpoint and goes on training. At most one epoch's files are in
+    flight; the next hand-over waits for them, and so do a stop (SIGTERM), the end of the run and
+    a failure. A kill at any moment leaves the previous last.pth whole: save_atomic renames a
+    finished file into place."""
+
+    def __init__(self, output_dir: Path):
+        self.output_dir = output_dir
+        self.tensorboard = SummaryWriter(log_dir=str(output_dir))
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epoch-writer")
+        self._in_flight: Future | None = None
+
+    def save_epoch(self, checkpoint: dict[str, Any], record: dict[str, Any], is_best: bool) -> None:
+        """Write one epoch's files in the background. `record` gains checkpoint_seconds: what the
+        hand-over cost the loop (waiting for the previous epoch's files, copying the state)."""
+        started = time.perf_counter()
+        self.wait()
+        copy = snapshot(checkpoint)
+        record["checkpoint_seconds"] = time.perf_counter() - started
+        self._in_flight = self._thread.submit(save_epoch, self.output_dir, copy, record, is_best, self.tensorboard)
+
+    def save_position(self, checkpoint: dict[str, Any]) -> None:
+        """A stopped run's last.pth, written now, after the write in flight: the process exits next."""
+        self.wait()
+        save_position(self.output_dir, checkpoint)
+
+    def wait(self) -> None:
+        """Until the files in flight are on disk; a write that failed (a full disk) raises here."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()
+
+    def __enter__(self) -> EpochWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        try:
+            self.wait()
+        except Exception:
+            if kind is None:
+                raise  # else the error that is ending the run is the one to report
+        finally:
+            self._thread.shutdown()
+            self.tensorboard.close()

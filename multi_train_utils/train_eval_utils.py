@@ -340,6 +340,10 @@ def apply_gradients(training: Training, optimizer_steps: int) -> None:
         training.ema.update(optimizer_steps)
 
 
+# This rank's (logits, labels, dataset indices) batches of one pass over the validation shard.
+Outputs = list[tuple[torch.Tensor, torch.Tensor, list[int]]]
+
+
 def predictions(placed: PlacedModel, loader: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[int]]]:
     """(logits, labels, dataset indices) of each batch of this rank's shard, the model in eval
     mode and in fp32. The caller disables autograd."""
@@ -351,15 +355,27 @@ def predictions(placed: PlacedModel, loader: Iterable) -> Iterator[tuple[torch.T
 
 
 @torch.no_grad()
+def validation_outputs(placed: PlacedModel, loader: Iterable) -> Outputs:
+    """Every batch's predictions, kept: an epoch's metrics are computed from them, and the best
+    epoch's become the final report without a second pass (a few numbers per image)."""
+    return list(predictions(placed, loader))
+
+
 def evaluate(placed: PlacedModel, loader: Iterable, ctx: DistContext) -> dict[str, float]:
-    """Exact accuracy and mean loss over the whole validation split: each rank sees a
-    disjoint shard without padding, so every image counts exactly once. Always in fp32: it is
-    a small share of the time, and bf16 rounding could differ with the batch composition,
-    which changes with the world size, and flip a borderline image."""
+    """Exact accuracy and mean loss over the whole validation split."""
+    return validation_metrics(validation_outputs(placed, loader), ctx)
+
+
+@torch.no_grad()
+def validation_metrics(outputs: Outputs, ctx: DistContext) -> dict[str, float]:
+    """Exact accuracy and mean loss over the whole validation split: each rank saw a disjoint
+    shard without padding, so every image counts exactly once. The logits are fp32 (evaluation
+    runs without autocast): bf16 rounding could differ with the batch composition, which
+    changes with the world size, and flip a borderline image."""
     sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, images
     images_seen = 0
     criterion = nn.CrossEntropyLoss(reduction="sum")
-    for logits, labels, _ in predictions(placed, loader):
+    for logits, labels, _ in outputs:
         sums[:2] += torch.stack([criterion(logits, labels).double(), (logits.argmax(1) == labels).sum().double()])
         images_seen += labels.numel()
     sums[2] = images_seen

@@ -12,11 +12,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, SAMPLE, copy_sample, metrics, ok, train
+from conftest import REPO, SAMPLE, args_for, copy_sample, metrics, ok, train
 from PIL import Image
 from torchvision.transforms import v2
 
 import my_dataset
+from multi_train_utils.config import prepare
+from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.loaders import EpochPasses, build_loaders, readable_split
 from multi_train_utils.train_eval_utils import model_input
 from my_dataset import (
     IMAGENET_MEAN,
@@ -211,3 +214,28 @@ def test_pixels_stay_uint8_until_the_device_normalises_the_batch():
 def test_default_loader_workers(monkeypatch, device, cores, local_processes, expected):
     monkeypatch.setattr(my_dataset, "cpu_count", lambda: cores)
     assert my_dataset.default_workers(torch.device(device), local_processes) == expected
+
+
+@pytest.mark.slow
+def test_batches_loaded_ahead_are_the_batches_loaded_in_turn():
+    """EpochPasses begins the next epoch's training pass while the model evaluates, and the
+    validation pass during the last training step: two workers per loader then hand over what
+    the training process itself would have loaded, epoch after epoch (and a resumed epoch's
+    rest)."""
+    def passes(workers: str, ahead: bool) -> list[list[torch.Tensor]]:
+        plan = prepare(args_for("--workers", workers, "--batch-size", "16", "--img-size", "32"), "test", verbose=False)
+        ctx = DistContext.single()
+        train_loader, val_loader = build_loaders(readable_split(plan, ctx), plan, ctx)
+        epochs = EpochPasses(train_loader, val_loader, val_ahead=ahead)
+        seen = []
+        for epoch, skip in ((1, 32), (2, 0), (3, 0)):  # epoch 1 resumed after two batches
+            seen.append([images for images, _ in epochs.train(epoch, skip)])
+            if ahead and epoch < 3:
+                epochs.begin_train(epoch + 1)
+            seen.append([images for images, _ in epochs.val()])
+        return seen
+
+    in_turn, loaded_ahead = passes("0", ahead=False), passes("2", ahead=True)
+    assert [len(batches) for batches in in_turn] == [3, 2, 5, 2, 5, 2]
+    for theirs, ours in zip(in_turn, loaded_ahead, strict=True):
+        assert len(theirs) == len(ours) and all(torch.equal(a, b) for a, b in zip(theirs, ours))

@@ -48,14 +48,14 @@ def runs(tmp_path_factory):
     """One short training run per launcher, shared by the tests below."""
     root = tmp_path_factory.mktemp("runs")
     results = {}
-    for launcher, nproc in (("single", 1), ("launch", 2), ("spawn", 2)):
+    for launcher, nproc in (("single", 1), ("launch", 2), ("spawn", 3)):
         out = root / launcher
         results[launcher] = (out, ok(train(launcher, out, "--epochs", "2", nproc=nproc)))
     return results
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher, world_size", [("single", 1), ("launch", 2), ("spawn", 2)])
+@pytest.mark.parametrize("launcher, world_size", [("single", 1), ("launch", 2), ("spawn", 3)])
 def test_end_to_end(runs, launcher, world_size):
     out, result = runs[launcher]
     records = metrics(out)
@@ -85,25 +85,29 @@ def test_end_to_end(runs, launcher, world_size):
 
 @pytest.mark.slow
 def test_evaluation_and_report_are_exact_on_any_world_size(runs, tmp_path):
-    """The DDP run's best checkpoint, evaluated by 1, 2 or 3 processes over 25 validation images
-    (which neither 2 nor 3 divides), gives exactly what the run itself reported: the accuracy
-    and loss of that epoch, and the whole evaluation report."""
-    out, _ = runs["launch"]
-    best_epoch = load_checkpoint(out / "best.pth")["epoch"]
-    reported = metrics(out)[best_epoch - 1]
-    run_report = json.loads((out / "report.json").read_text())
-    for world_size, launcher in ((1, "single"), (2, "launch"), (3, "spawn")):
-        ok(train(launcher, tmp_path / f"{world_size}", "--eval-only", "--resume", str(out / "best.pth"), "--plots",
-                 nproc=world_size))
-        result = json.loads((tmp_path / f"{world_size}" / "eval.json").read_text())
-        assert result["val_total"] == 25
-        assert result["val_correct"] == reported["val_correct"]
-        assert result["val_loss"] == pytest.approx(reported["val_loss"], rel=1e-5)
-        report = json.loads((tmp_path / f"{world_size}" / "report.json").read_text())
-        for key in ("images", "accuracy", "macro_f1", "per_class", "top_k_accuracy", "confusion_matrix"):
-            assert report[key] == run_report[key], (world_size, key)
-        assert report["world_size"] == world_size and report["images"] == 25
-        assert (tmp_path / f"{world_size}" / "confusion_matrix.png").is_file()
+    """A run's best checkpoint, evaluated again by 1, 2 or 3 processes over 25 validation images
+    (which neither 2 nor 3 divides), gives exactly what the run itself reported: the accuracy and
+    loss of that epoch, and the whole evaluation report, which the run made from the outputs its
+    best epoch's evaluation kept (with 1, 2 and 3 processes of its own)."""
+    for trained, evaluations in (("launch", ((1, "single"), (2, "launch"), (3, "spawn"))),
+                                 ("single", ((2, "spawn"),)), ("spawn", ((1, "single"),))):
+        out, _ = runs[trained]
+        best_epoch = load_checkpoint(out / "best.pth")["epoch"]
+        reported = metrics(out)[best_epoch - 1]
+        run_report = json.loads((out / "report.json").read_text())
+        assert run_report["weights"] == f"{out / 'best.pth'} (epoch {best_epoch})"
+        for world_size, launcher in evaluations:
+            again = tmp_path / f"{trained}-{world_size}"
+            ok(train(launcher, again, "--eval-only", "--resume", str(out / "best.pth"), "--plots", nproc=world_size))
+            result = json.loads((again / "eval.json").read_text())
+            assert result["val_total"] == 25
+            assert result["val_correct"] == reported["val_correct"]
+            assert result["val_loss"] == pytest.approx(reported["val_loss"], rel=1e-5)
+            report = json.loads((again / "report.json").read_text())
+            for key in ("images", "accuracy", "macro_f1", "per_class", "top_k_accuracy", "confusion_matrix"):
+                assert report[key] == run_report[key], (trained, world_size, key)
+            assert report["world_size"] == world_size and report["images"] == 25
+        assert (tmp_path / f"{trained}-{evaluations[0][0]}" / "confusion_matrix.png").is_file()
 
 
 # Training images drawn in an epoch of the 95-image split, 8 per batch, by world size (docs/exactness.md).

@@ -196,3 +196,35 @@ def test_sigterm_stops_at_a_step_and_resume_ends_as_if_uninterrupted(launcher, u
     final = load_checkpoint(tmp_path / "last.pth")["model"]
     for name, value in weights.items():
         torch.testing.assert_close(final[name], value, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_sigterm_while_epoch_files_are_written_and_batches_load_ahead(uninterrupted, tmp_path):
+    """SIGTERM as soon as epoch 1 is announced: its checkpoint is then still being written in
+    the background, and epoch 2's batches are loading in the loader workers (here one per
+    process, where the uninterrupted run loaded in the training processes). The stop waits for
+    that write, then saves its own position; the resumed run, loading ahead again, ends as the
+    uninterrupted one did."""
+    ahead = ["--workers", "1"]
+    proc = start(launcher_cmd("spawn", 2) + ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path), *FAST,
+                                             *SMALL_STEPS, *ahead])
+    try:
+        for line in proc.stdout:
+            if line.startswith("epoch 1/2:"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        code, err = proc.wait(timeout=120), proc.stderr.read()
+    finally:
+        kill_group(proc)
+    assert code == EXIT_PREEMPTED, err[-3000:]
+    checkpoint = load_checkpoint(tmp_path / "last.pth")
+    assert checkpoint["epoch"] == 1 and checkpoint["steps_in_epoch"] > 0 and len(metrics(tmp_path)) == 1
+
+    ok(train("spawn", tmp_path, *SMALL_STEPS, *ahead, "--resume", "auto", nproc=2, timeout=300))
+    expected, weights = uninterrupted(2)
+    for a, b in zip(expected, metrics(tmp_path), strict=True):
+        for key in ("train_loss", "train_acc", "train_seen", "val_loss", "val_acc", "lr"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (b["epoch"], key)
+    final = load_checkpoint(tmp_path / "last.pth")["model"]
+    for name, value in weights.items():
+        torch.testing.assert_close(final[name], value, msg=lambda m, name=name: f"{name}: {m}")
