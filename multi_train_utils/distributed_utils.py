@@ -136,6 +136,29 @@ def setup_single(device_spec: str | None) -> DistContext:
     return DistContext.single(device)
 
 
+@dataclasses.dataclass(frozen=True)
+class Rendezvous:
+    """Who this process is in its job and where the job meets, before it has met."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    store_address: tuple[str, int] | None = None  # the spawn launcher's store; None: MASTER_ADDR/MASTER_PORT
+
+    def join(self, device_spec: str | None, backend: str | None, timeout_s: float,
+             report_every_s: float = JOIN_REPORT_SECONDS) -> DistContext:
+        return setup_process_group(self.rank, self.local_rank, self.world_size, self.local_world_size, device_spec,
+                                   backend, timeout_s, self.store_address, report_every_s)
+
+    def address(self) -> tuple[str, int]:
+        return self.store_address or master_address()
+
+    def hosts_store(self) -> bool:
+        """This process listens for the others (rank 0 of a job started without torchrun's agent)."""
+        return self.store_address is None and self.rank == 0 and not agent_hosts_store()
+
+
 class RendezvousIncomplete(ProjectError):
     """Some processes of the job never joined (or never reached the store) in time: exit code 1."""
 
@@ -198,8 +221,12 @@ def _env_store(rank: int, world_size: int, timeout_s: float, report_every_s: flo
     # Under torchrun the agent hosts the store and every worker is a client; otherwise rank 0 hosts it.
     if rank == 0 and not agent_hosts_store():
         # Not waiting for the others here: wait_for_ranks does, and says who is missing.
-        store = dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            store = dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+        except dist.DistNetworkError as e:
+            raise UserError(f"cannot listen on {host}:{port} ({str(e).rsplit('message: ', 1)[-1]}): is MASTER_PORT "
+                            "used by another job?") from None
     else:
         store = connect_store(host, port, rank, timeout_s, report_every_s)
     return host, port, dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
