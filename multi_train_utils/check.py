@@ -423,8 +423,8 @@ def figure_rows(f: Figures) -> list[Row]:
     bucket_bw = bus_bandwidth(DDP_BUCKET_BYTES, f.bucket_seconds, f.world_size)
     grad_bw = bus_bandwidth(f.grad_bytes, f.grad_seconds, f.world_size)
     share = comm_share(f.grad_seconds, f.step_seconds)
-    bandwidth = Row("bus bandwidth", OK, f"{bucket_bw / 1e9:.2f} GB/s at DDP's 25 MB bucket, {grad_bw / 1e9:.2f} GB/s "
-                    f"at the model's {f.grad_bytes / 2**20:.0f} MB gradient: the range of {link_class(grad_bw)}")
+    bandwidth = Row("bus bandwidth", OK, f"{bucket_bw / 1e9:.2f} GB/s at DDP's 25 MiB bucket, {grad_bw / 1e9:.2f} GB/s "
+                    f"at the model's {f.grad_bytes / 2**20:.0f} MiB gradient: the range of {link_class(grad_bw)}")
     if share < COMM_SHARE_GOAL:
         return [step, bandwidth, Row("communication", OK, f"at most {share:.0%} of a step at {f.world_size} processes "
                                      f"(the gradient's all-reduce, {f.grad_seconds * 1000:.0f} ms)")]
