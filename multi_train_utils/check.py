@@ -42,6 +42,7 @@ from multi_train_utils.distributed_utils import (
     port_unreachable,
     teardown,
 )
+from multi_train_utils.loaders import _memory_available
 from multi_train_utils.run_folder import prepare_output_dir
 from multi_train_utils.train_eval_utils import build_training, place_model, train_one_epoch
 from my_dataset import default_workers, eval_img_size, eval_resize
@@ -112,6 +113,7 @@ class Facts:
     master: str  # the rendezvous host ("" for one process)
     port: int
     master_resolves_to: tuple[str, ...]
+    hosts_store: bool  # this process listens at master:port for the others
     port_problem: str | None  # the store's host cannot listen on the port, or a process alone reach it
 
 
@@ -139,12 +141,13 @@ def gather_facts(plan: Plan, rdzv: Rendezvous | None) -> Facts:
         versions=versions(),
         socket_ifnames={k: v for k, v in sorted(os.environ.items()) if k.endswith("_SOCKET_IFNAME")},
         shm_free=shm,
-        memory_available=memory_available(),
+        memory_available=_memory_available() if sys.platform == "linux" else 0,  # /proc/meminfo's
         loader_bytes=loader_bytes(args, device, local),
         cache_bytes=cache_bytes(args, len(plan.samples)),
         master=master,
         port=port,
         master_resolves_to=resolve(master) if master else (),
+        hosts_store=rdzv is not None and rdzv.hosts_store(),
         port_problem=port_problem(rdzv, master, port) if master and port else None,
     )
 
@@ -158,14 +161,6 @@ def versions() -> dict[str, str]:
         except (OSError, IndexError):
             driver = "unknown"
     return {"torch": torch.__version__, "CUDA": torch.version.cuda or "-", "NCCL": nccl, "driver": driver}
-
-
-def memory_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return 0
 
 
 def loader_bytes(args: argparse.Namespace, device: torch.device, processes: int) -> int:
@@ -250,7 +245,7 @@ def address_rows(f: Facts) -> list[Row]:
     if f.port_problem:
         rows.append(Row("port", FAIL, f"{f.port_problem} (on {f.host})",
                         "another job holds the port: choose another MASTER_PORT (--master-port)"
-                        if "listen" in f.port_problem else
+                        if f.hosts_store else
                         "start the first node first; check the address, and that a firewall lets the port "
                         f"through (`nc -zv {f.master} {f.port}` from this node)"))
     if not rows:
@@ -322,7 +317,11 @@ def merged(rows_by_rank: list[list[Row]]) -> list[Row]:
     flagged = {row.check for row in rows if row.result != OK}
     out: list[Row] = []
     for row in rows:
-        if row.result != OK and row not in out or row.result == OK and row.check not in flagged | {r.check for r in out}:
+        if row.result == OK:
+            shown = row.check in flagged or any(r.check == row.check for r in out)
+        else:
+            shown = row in out
+        if not shown:
             out.append(row)
     return out
 
@@ -529,11 +528,15 @@ def give_up(rank: int, rows: list[Row], reason: Row) -> NoReturn:
 
 
 def output_row(plan: Plan) -> Row:
-    """The run's own check of the output folder (its error, its exit code); a folder made only for it is removed."""
-    existed = plan.args.output_dir is not None and Path(plan.args.output_dir).exists()
+    """The run's own check of the output folder (its error, its exit code). The folders made
+    only for it are removed: a check leaves nothing behind."""
+    near = Path(plan.args.output_dir or "runs")  # the default folder goes under runs/
+    existed = {folder for folder in (near, *near.parents) if folder.exists()}
     path = prepare_output_dir(plan, DistContext.single())
-    if not existed:
-        path.rmdir()
+    for folder in (path, *path.parents):
+        if folder in existed or folder == Path("."):
+            break
+        folder.rmdir()
     return Row("output folder", OK, f"{path} is writable")
 
 

@@ -86,7 +86,7 @@ def check_table(result) -> dict[str, list[str]]:
 def test_a_healthy_setup_passes_with_its_figures(tmp_path, launcher, world_size):
     started = time.monotonic()
     result = run_cli(launcher_cmd(launcher, world_size) + ["--data-path", str(SAMPLE), "--output-dir",
-                                                           str(tmp_path / "out"), *CHECK],
+                                                           str(tmp_path / "new" / "out"), *CHECK],
                      timeout=60, env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert time.monotonic() - started < 40
@@ -94,7 +94,7 @@ def test_a_healthy_setup_passes_with_its_figures(tmp_path, launcher, world_size)
     table = check_table(result)
     assert all(row.startswith(("ok", "warn")) for rows in table.values() for row in rows), table
     assert {"output folder", "data", "device", "memory", "training step", "communication"} <= table.keys()
-    assert not (tmp_path / "out").exists()  # checked, and not left behind
+    assert not (tmp_path / "new").exists()  # checked, and not left behind
     assert re.match(r"ok \d+ ms for a batch of 8 on cpu", table["training step"][0])
     if world_size == 1:
         assert table["communication"] == ["ok one process: no gradient to all-reduce"]
@@ -163,7 +163,7 @@ HEALTHY = Facts(rank=0, host="node0", device="cuda:0", gpu="GPU-0a", gpus_visibl
                 versions={"torch": "2.5.1", "CUDA": "12.4", "NCCL": "2.21.5", "driver": "550.54"},
                 socket_ifnames={"NCCL_SOCKET_IFNAME": "eth0"}, shm_free=64 * GiB, memory_available=500 * GiB,
                 loader_bytes=GiB, cache_bytes=0, master="10.0.0.1", port=29500, master_resolves_to=("10.0.0.1",),
-                port_problem=None)
+                hosts_store=True, port_problem=None)
 
 
 def machine(**answers) -> Facts:
