@@ -40,6 +40,7 @@ from multi_train_utils.distributed_utils import (
     gather_objects,
     parse_device,
     port_unreachable,
+    setup_single,
     teardown,
 )
 from multi_train_utils.loaders import _memory_available
@@ -490,9 +491,10 @@ def check(plan: Plan, rdzv: Rendezvous | None) -> int:
         give_up(rank, alone, Row("local checks", FAIL, str(e), "a name that takes long to resolve, or a hung file "
                                  "system (/dev/shm): see which with the same command in one process"))
     if rdzv is None:
-        return report(alone + local_rows(facts) + figure_rows(step_figures(plan, facts)))
-    if blocking := [r for r in address_rows(facts) if r.result == FAIL]:  # no rendezvous can happen
-        give_up(rank, alone + local_rows(facts), blocking[0])
+        # The process a run would be: its device, its share of the cores.
+        return report(alone + local_rows(facts) + figure_rows(step_figures(plan, setup_single(plan.args.device))))
+    if facts.port_problem or not facts.master_resolves_to:  # no rendezvous can happen
+        give_up(rank, alone + local_rows(facts), next(r for r in address_rows(facts) if r.result == FAIL))
     if transport_log := nccl_log_file(facts.backend):
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P,NET", NCCL_DEBUG_FILE=transport_log)
     try:
@@ -504,11 +506,15 @@ def check(plan: Plan, rdzv: Rendezvous | None) -> int:
             "node shows what that node lacks (docs/troubleshooting.md)"))
     try:
         everyone = bounded("the inventory", timeout, lambda: gather_objects(facts, ctx))
-        inventory = merged([local_rows(f) for f in everyone]) + inventory_rows(everyone)
+        # Now the machines are known, not guessed from the launcher's node count: several
+        # torchrun agents on one machine may meet on loopback.
+        machines = len({f.host for f in everyone})
+        inventory = merged([local_rows(dataclasses.replace(f, nodes=machines)) for f in everyone])
+        inventory += inventory_rows(everyone)
         collective, hung = collective_rows(ctx, facts, timeout, transport_log)
         if hung:
             give_up(rank, alone + inventory + collective, collective[-1])
-        figures = bounded("the figures", 4 * timeout, lambda: step_figures(plan, facts, ctx))
+        figures = bounded("the figures", 4 * timeout, lambda: step_figures(plan, ctx))
     except StageTimeout as e:
         give_up(rank, alone, Row("collectives", FAIL, str(e), "a peer stopped answering: see its own line"))
     code = report(alone + inventory + collective + figure_rows(figures)) if ctx.is_main else 0
@@ -586,12 +592,12 @@ def checked_sum(ctx: DistContext) -> float:
     return float(tensor[0]) if bool((tensor == tensor[0]).all()) else float("nan")
 
 
-def step_figures(plan: Plan, facts: Facts, ctx: DistContext | None = None) -> Figures:
-    step_seconds, grad_bytes = time_training_step(plan, torch.device(facts.device))
-    figures = Figures(1, facts.device, plan.args.batch_size, step_seconds, grad_bytes)
-    if ctx is None or ctx.world_size == 1:
+def step_figures(plan: Plan, ctx: DistContext) -> Figures:
+    step_seconds, grad_bytes = time_training_step(plan, ctx.device)
+    figures = Figures(ctx.world_size, str(ctx.device), plan.args.batch_size, step_seconds, grad_bytes)
+    if ctx.world_size == 1:
         return figures
-    return dataclasses.replace(figures, world_size=ctx.world_size, bucket_seconds=time_all_reduce(DDP_BUCKET_BYTES, ctx),
+    return dataclasses.replace(figures, bucket_seconds=time_all_reduce(DDP_BUCKET_BYTES, ctx),
                                grad_seconds=time_all_reduce(grad_bytes, ctx))
 
 
