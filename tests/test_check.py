@@ -65,7 +65,6 @@ def test_a_run_waiting_for_a_rank_says_so_and_names_it(tmp_path):
 # ---- the check on real processes
 
 CHECK = [*FAST, "--check", "--check-timeout", "8"]
-FIGURES = ("training step", "bus bandwidth", "communication")
 
 
 def check_table(stdout: str) -> dict[str, list[str]]:
