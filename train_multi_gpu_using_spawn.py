@@ -14,16 +14,17 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
+from multi_train_utils.check import check
 from multi_train_utils.config import Plan, get_args_parser, prepare
 from multi_train_utils.distributed_utils import (
     STOP_GRACE_SECONDS,
+    Rendezvous,
     forward_signal,
     host_store,
     keep_gloo_on_loopback,
     parse_device,
     parse_dist_url,
     resolve_device,
-    setup_process_group,
     stop,
     teardown,
 )
@@ -34,9 +35,10 @@ from utils import ProjectError, UserError, exit_on_error, stderr_line
 def worker(rank: int, plan: Plan, world_size: int, store_address: tuple[str, int]) -> None:
     with exit_on_error():
         try:
-            ctx = setup_process_group(rank, rank, world_size, world_size, plan.args.device, plan.args.backend,
-                                      plan.args.dist_timeout, store_address)
-            run(plan, ctx)
+            rdzv = Rendezvous(rank, rank, world_size, world_size, store_address)
+            if plan.args.check:
+                sys.exit(check(plan, rdzv))
+            run(plan, rdzv.join(plan.args.device, plan.args.backend, plan.args.dist_timeout))
         except ProjectError:
             raise
         except Exception as e:

@@ -168,6 +168,12 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
                      help="process-group backend (default: nccl on CUDA, gloo on the CPU)")
     run.add_argument("--dist-timeout", type=float, default=1800,
                      help="seconds a collective may wait for a peer before the job fails")
+    run.add_argument("--check", action="store_true",
+                     help="diagnose the setup instead of training: device, rendezvous address and port, memory, "
+                          "data, output folder, the processes joining, versions, a checked all-reduce, bus "
+                          "bandwidth and one timed step; exit 0 when a job would run, 1 when not")
+    run.add_argument("--check-timeout", type=float, default=20,
+                     help="seconds each --check stage may take before it counts as hung")
 
     old = p.add_argument_group("the original scripts' spellings",
                                "accepted so that their command lines and job scripts run unchanged")
@@ -210,6 +216,8 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
     check_recipe(args)
     budget_seconds(args)  # a malformed --time-budget fails here
     check_model_name(args.model, args.zero_init_residual)
+    if args.check_timeout <= 0:
+        raise UserError("--check-timeout must be positive")
     if args.workers is not None and args.workers < 0:
         raise UserError("--workers cannot be negative")
     if args.num_classes is not None and args.num_classes < 2:

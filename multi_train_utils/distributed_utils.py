@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
@@ -21,11 +22,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from utils import UserError, cpu_count
+from utils import ProjectError, UserError, cpu_count, stderr_line
 
 # Seconds the other processes of a job get to exit by themselves once one has failed, before
 # SIGTERM, and again before SIGKILL (mp.spawn's own default waits 30 s at each stage).
 STOP_GRACE_SECONDS = 5
+# A job waiting at the rendezvous says so after this many seconds, and again at this interval.
+JOIN_REPORT_SECONDS = 30
+FIRST_JOIN_REPORT_SECONDS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +138,33 @@ def setup_single(device_spec: str | None) -> DistContext:
     return DistContext.single(device)
 
 
+@dataclasses.dataclass(frozen=True)
+class Rendezvous:
+    """Who this process is in its job and where the job meets, before it has met."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    store_address: tuple[str, int] | None = None  # the spawn launcher's store; None: MASTER_ADDR/MASTER_PORT
+
+    def join(self, device_spec: str | None, backend: str | None, timeout_s: float,
+             report_every_s: float = JOIN_REPORT_SECONDS) -> DistContext:
+        return setup_process_group(self.rank, self.local_rank, self.world_size, self.local_world_size, device_spec,
+                                   backend, timeout_s, self.store_address, report_every_s)
+
+    def address(self) -> tuple[str, int]:
+        return self.store_address or master_address()
+
+    def hosts_store(self) -> bool:
+        """This process listens for the others (rank 0 of a job started without torchrun's agent)."""
+        return self.store_address is None and self.rank == 0 and not agent_hosts_store()
+
+
+class RendezvousIncomplete(ProjectError):
+    """Some processes of the job never joined (or never reached the store) in time: exit code 1."""
+
+
 def setup_process_group(
     rank: int,
     local_rank: int,
@@ -143,10 +174,13 @@ def setup_process_group(
     backend: str | None,
     timeout_s: float,
     store_address: tuple[str, int] | None = None,
+    report_every_s: float = JOIN_REPORT_SECONDS,
 ) -> DistContext:
     """Join the process group of the given ranks: through the store at `store_address`
     (hosted by the spawn launcher), else through MASTER_ADDR/MASTER_PORT (torchrun, SLURM).
-    `timeout_s` bounds every collective: a dead or stuck peer becomes an error, not a hang."""
+    `timeout_s` bounds the rendezvous and every collective: a missing, dead or stuck peer
+    becomes an error, not a hang. While processes are missing, rank 0 says which, every
+    `report_every_s` seconds."""
     device = resolve_device(device_spec, local_rank, local_world_size, distributed=True)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -155,9 +189,10 @@ def setup_process_group(
     timeout = datetime.timedelta(seconds=timeout_s)
     if store_address is not None:
         host, port = store_address
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        store = connect_store(host, port, rank, timeout_s, report_every_s)
     else:
-        host, port, store = _env_store(rank, world_size, timeout)
+        host, port, store = _env_store(rank, world_size, timeout_s, report_every_s)
+    wait_for_ranks(store, rank, world_size, local_world_size, f"{host}:{port}", timeout_s, report_every_s)
     dist.init_process_group(
         backend=backend,
         rank=rank,
@@ -177,21 +212,109 @@ def setup_process_group(
     return ctx
 
 
-def _env_store(rank: int, world_size: int, timeout: datetime.timedelta) -> tuple[str, int, dist.Store]:
+def _env_store(rank: int, world_size: int, timeout_s: float, report_every_s: float) -> tuple[str, int, dist.Store]:
     """The store that init_method="env://" would open, namespaced by torchrun's restart count.
 
     torchrun keeps one store for the whole job. After a worker dies and the group restarts,
     the new processes would otherwise find the addresses that the failed group published
     under the same keys, and hang or fail to connect to processes that no longer exist.
     """
+    host, port = master_address()
+    # Under torchrun the agent hosts the store and every worker is a client; otherwise rank 0 hosts it.
+    if rank == 0 and not agent_hosts_store():
+        # Not waiting for the others here: wait_for_ranks does, and says who is missing.
+        try:
+            store = dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+        except dist.DistNetworkError as e:
+            raise UserError(f"cannot listen on {host}:{port} ({str(e).rsplit('message: ', 1)[-1]}): is MASTER_PORT "
+                            "used by another job?") from None
+    else:
+        store = connect_store(host, port, rank, timeout_s, report_every_s)
+    return host, port, dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def master_address() -> tuple[str, int]:
+    """MASTER_ADDR and MASTER_PORT, as torchrun or the job script set them."""
     try:
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     except (KeyError, ValueError):
         raise UserError("MASTER_ADDR and MASTER_PORT must be set to the rendezvous address") from None
-    # Under torchrun the agent hosts the store and every worker is a client; otherwise rank 0 hosts it.
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
-    return host, port, dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def agent_hosts_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def connect_store(host: str, port: int, rank: int, timeout_s: float, report_every_s: float) -> dist.Store:
+    """A client of the store at host:port, once the port answers. A process that cannot reach it
+    says so at intervals, on its own line (rank 0, which prints the job's lines, may be the
+    one missing), and names the address once `timeout_s` has passed."""
+    started = time.monotonic()
+    next_report = started + min(FIRST_JOIN_REPORT_SECONDS, report_every_s)
+    while (problem := port_unreachable(host, port)) is not None:
+        waited = time.monotonic() - started
+        where = f"rank {rank} on {socket.gethostname()} cannot reach the rendezvous at {host}:{port} ({problem})"
+        if waited >= timeout_s:
+            raise RendezvousIncomplete(f"{where} after {timeout_s:g}s: is rank 0 (or torchrun on the first node) "
+                                       "started, the address right and the port open? The same command with "
+                                       "--check tells")
+        if time.monotonic() >= next_report:
+            stderr_line(f"{where} after {waited:.0f}s; still trying")
+            next_report += report_every_s
+        time.sleep(0.2)
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def port_unreachable(host: str, port: int, timeout_s: float = 1.0) -> str | None:
+    """Why a TCP connection to host:port fails (refused, timed out, no such host), or None."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except socket.gaierror as e:
+        return f"the name does not resolve: {e.strerror}"
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
+def wait_for_ranks(store: dist.Store, rank: int, world_size: int, local_world_size: int, where: str,
+                   timeout_s: float, report_every_s: float) -> None:
+    """Mark this process as arrived; on rank 0, wait until all have, saying who is missing at
+    intervals and naming them once `timeout_s` has passed. init_process_group would wait in
+    silence, and time out without a name."""
+    store.set(f"joined/{rank}", socket.gethostname())
+    joined = store.add("joined", 1)
+    if rank != 0:
+        return
+    started = time.monotonic()
+    next_report = started + min(FIRST_JOIN_REPORT_SECONDS, report_every_s)
+    while joined < world_size:
+        waited = time.monotonic() - started
+        if waited >= timeout_s:
+            raise RendezvousIncomplete(f"{waiting_line(store, world_size, local_world_size, where)} after "
+                                       f"{timeout_s:g}s: run the same command with --check (on each node) to find why")
+        if time.monotonic() >= next_report:
+            print(f"waiting: {waiting_line(store, world_size, local_world_size, where)} ({waited:.0f}s so far; "
+                  "the same command with --check diagnoses the setup)", flush=True)
+            next_report += report_every_s
+        time.sleep(0.1)
+        joined = store.add("joined", 0)
+
+
+def waiting_line(store: dist.Store, world_size: int, local_world_size: int, where: str) -> str:
+    """"1 of 2 processes joined at HOST:PORT; missing: rank 1", the missing read from the store."""
+    missing = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
+    return (f"{world_size - len(missing)} of {world_size} processes joined at {where}; missing: "
+            f"{missing_ranks(missing, world_size, local_world_size)}")
+
+
+def missing_ranks(missing: list[int], world_size: int, local_world_size: int, most: int = 8) -> str:
+    """"rank 3 (node 1)": the node where the usual layout (consecutive ranks per node, as torchrun
+    and srun place them) would put it, when there are several nodes."""
+    several_nodes = local_world_size < world_size
+    names = [f"rank {r}" + (f" (node {r // local_world_size})" if several_nodes else "") for r in missing[:most]]
+    more = f" and {len(missing) - most} more" if len(missing) > most else ""
+    return ", ".join(names) + more
 
 
 def env_ranks(local_rank_arg: int | None = None) -> tuple[int, int, int, int] | None:

@@ -339,7 +339,7 @@ def device_crops(split: DataSplit, side: int, ctx: DistContext, cache: PixelCach
 
 
 def check_device_room(nbytes: int, ctx: DistContext) -> None:
-    free = torch.cuda.mem_get_info(ctx.device)[0] if ctx.device.type == "cuda" else _memory_available()
+    free = torch.cuda.mem_get_info(ctx.device)[0] if ctx.device.type == "cuda" else memory_available()
     problem = (
         f"--device-augment keeps the training images on {ctx.device}: {nbytes / 2**30:.2f} GiB, but only "
         f"{free / 2**30:.2f} GiB is free: train without it, or with a smaller --img-size"
@@ -411,7 +411,7 @@ def _picture_shape(path: str, short_side: int) -> tuple[int, int]:
 
 
 def check_cache_room(nbytes: int, ctx: DistContext) -> None:
-    room = min(shutil.disk_usage("/dev/shm").free, _memory_available())
+    room = min(shutil.disk_usage("/dev/shm").free, memory_available())
     problem = (
         f"--cache needs {nbytes / 2**30:.2f} GiB of shared memory, but only {room / 2**30:.2f} GiB is "
         "available (/dev/shm or free RAM): train without --cache, or with a smaller --img-size"
@@ -433,6 +433,6 @@ def raise_together(problem: str | None, ctx: DistContext) -> None:
     raise UserError(f"{where}: {first}" if ctx.distributed else first)
 
 
-def _memory_available() -> int:
+def memory_available() -> int:
     with open("/proc/meminfo") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))

@@ -1,4 +1,4 @@
-"""The CUDA path, on a machine with one GPU: every launcher, bf16 autocast, channels_last, pinned
+"""The CUDA path, on a machine with one GPU: every launcher, --check's NCCL stages, bf16 autocast, channels_last, pinned
 uint8 batches, nn.SyncBatchNorm, torch.compile, evaluation against the CPU's, checkpoints that
 move between GPU and CPU, and predict.py. Skipped where CUDA is absent (CI has no GPU).
 
@@ -9,6 +9,7 @@ SyncBN's arithmetic, faults) is covered on the CPU with gloo by the rest of the 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 
@@ -150,3 +151,13 @@ def test_the_throughput_benchmark_runs_on_the_gpu(tmp_path):
     # A failed measurement is recorded as {"error": ...} and the benchmark still exits 0.
     assert result["measurements"] and not [m["error"] for m in result["measurements"] if "error" in m]
     assert all(m["device"].startswith("cuda") for m in result["measurements"])
+
+
+def test_check_runs_its_nccl_stages_on_the_gpu(tmp_path):
+    """--check under torchrun on the GPU: the device, the NCCL all-reduce checked, the versions
+    read (NCCL's and the driver's, which the CPU tests cannot see)."""
+    result = ok(train("launch", tmp_path / "out", *ON_GPU, "--check", "--check-timeout", "60", nproc=1))
+    assert "check: a job would run" in result.stdout
+    assert re.search(r"device +ok +cuda:0, nccl", result.stdout), result.stdout
+    assert re.search(r"all-reduce +ok +nccl, 1 processes, sum checked", result.stdout), result.stdout
+    assert "NCCL -" not in result.stdout and "driver -" not in result.stdout
