@@ -162,7 +162,7 @@ def test_download_verifies_and_unpacks(tmp_path, monkeypatch):
     ("--device-augment", "error: --device-augment keeps the training images on cpu: "),
 ])
 def test_a_launcher_refuses_to_keep_images_where_there_is_no_room(option, message, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(loaders, "_memory_available", lambda: 1024)
+    monkeypatch.setattr(loaders, "memory_available", lambda: 1024)
     line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path),
                                               "--device", "cpu", *FAST, option], capsys)
     assert line.startswith(message)
