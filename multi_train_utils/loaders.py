@@ -297,15 +297,17 @@ class EpochPasses:
         self._ahead = epoch, self._train_pass()
 
     def _train_pass(self) -> StartedPass:
-        return StartedPass(self.train_loader, then=self._begin_val if self.val_ahead else None)
+        return StartedPass(self.train_loader, then=self.begin_val if self.val_ahead else None)
+
+    def begin_val(self) -> None:
+        """Begin the validation pass now, unless one is begun already."""
+        if self._val is None:
+            self._val = StartedPass(self.val_loader)
 
     def val(self) -> StartedPass:
-        """A validation pass: the one begun during training, or a new one."""
+        """A validation pass: the one begun before, or a new one."""
         begun, self._val = self._val, None
         return begun or StartedPass(self.val_loader)
-
-    def _begin_val(self) -> None:
-        self._val = StartedPass(self.val_loader)
 
 
 def device_crops(split: DataSplit, side: int, ctx: DistContext, cache: PixelCache | None) -> DeviceCrops:

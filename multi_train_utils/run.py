@@ -317,6 +317,9 @@ def train_epochs(training: Training, passes: EpochPasses, plan: Plan, split: Dat
             started = clock()
             train = train_or_stop(training, passes, epoch, progress, args, split, output_dir, files, ctx)
             trained = clock()
+            # The validation pass first: its first one forks the loader's workers, which is best
+            # done while no other loader is handing out batches.
+            passes.begin_val()
             if epoch < epochs_of(progress, args) and (progress.budget_epochs or not budget):
                 passes.begin_train(epoch + 1)  # its batches load while the model evaluates
             val, better, outputs = evaluate_epoch(training, passes, ctx)
