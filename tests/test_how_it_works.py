@@ -501,9 +501,35 @@ def test_the_page_names_enough_to_be_a_tour(page, code):
         assert blocks(section, "bash"), f"the stop '{section.splitlines()[0]}' ends without a command to run"
 
 
+def reading_cost(text: str, root: Path = REPO) -> tuple[int, int]:
+    """What following one run costs a reader: the page's lines, and the lines of the functions
+    that the skeleton and the map's first launcher (torchrun's, down to `run()`'s calls) name."""
+    lines: set[tuple[str, int]] = set()
+    wanted = [(fn.removesuffix("()"), path) for _, fn, path in skeleton_rows(text)]
+    for i, (indent, name, paths) in enumerate(map_lines(text)):
+        if indent == 0 and i > 0:
+            break
+        wanted += [(name, paths[0])] if paths else []
+    for name, path in wanted:
+        if (node := function_node(root, path, name)) is not None:
+            lines |= {(path, n) for n in range(node.lineno, node.end_lineno + 1)}
+    return len(text.splitlines()), len(lines)
+
+
+def test_the_page_states_its_reading_cost(page):
+    """The opening's figures, within 10%: the page's lines and the code it sends a reader to."""
+    stated = re.search(r"this page's ([\d,]+) lines.*?([\d,]+) lines of code", " ".join(page.split()))
+    assert stated, "the opening says what following one run costs: this page's N lines ... M lines of code"
+    for said, counted in zip((int(n.replace(",", "")) for n in stated.groups()), reading_cost(page)):
+        assert abs(said - counted) <= counted / 10, (said, counted)
+
+
 def test_readme_links_the_page_on_its_first_screen():
     first_screen = REPO.joinpath("README.md").read_text().split("\n## ", 1)[0]
     assert "(docs/how-it-works.md)" in first_screen
+    skeleton = re.search(r"\(docs/how-it-works\.md#([\w-]+)\)", first_screen)
+    assert skeleton and skeleton[1] in {_slug(h) for h in re.findall(r"^#+ (.+)$", PAGE.read_text(), flags=re.M)}
+    assert "skeleton" in skeleton[1]
 
 
 @pytest.mark.parametrize("change, complaint", [
