@@ -331,7 +331,6 @@ def unplaced_names(text: str, code: Code) -> list[str]:
     """Project names the page never gives with their file."""
     placed = {project_name(span, code) for span, _ in given_files(text)}
     placed |= {project_name(name + "()", code) for _, name, paths in map_lines(text) if paths}
-    placed |= {project_name(name, code) for _, name, paths in map_lines(text) if paths}
     names = {n for span in named(text) if (n := project_name(span, code))}
     return [f"`{n}` is never given with its file" for n in sorted(names - placed)]
 
