@@ -48,7 +48,7 @@ IDENTIFIER = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?:\(\))?")
 # "`name()` in `path.py`", also "`Name` (in `path.py`)" and "`name()` (`path.py`)"
 IN_FILE = re.compile(r"`([^`]+)`\s+(?:\(\s*)?(?:in\s+)?`([\w/.-]+\.py)`")
 # "`name()` (same file)": the file named last before it
-SAME_FILE = re.compile(r"`([^`]+)`\s+\(same file\)")
+SAME_FILE = re.compile(r"`([^`]+)`\s+\(same\s+file\)")
 # A line of the map: its indent, the call, and the files named after it.
 MAP_CALL = re.compile(r"^( *)([A-Za-z_][\w.]*)\(\)")
 CUT = "..."  # the line that stands for lines an output block leaves out
