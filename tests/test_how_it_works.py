@@ -10,8 +10,13 @@ The page's conventions, which this file enforces:
   torch.distributed.launch ... X.py) parses with that launcher's own parser, and torchrun's
   options with torchrun's, all in this process: nothing trains;
 - every line of an ```output block (what our launchers print) matches a string in the code;
-  a block without an info string (PyTorch's log, a one-liner's print) is not checked;
-- a ```text block (the map of calls) names functions and files by the same rules;
+  a block without an info string (PyTorch's log, a one-liner's print) is not checked; a block
+  that leaves out lines a run prints between two it shows has a line `...` there (RUN_LINES);
+- a ```text block (the map of calls) names functions and files by the same rules, and each
+  indented call is made in the body of the call above it, after its previous sibling's (ast);
+- each row of the skeleton's table names a call and "`function()` in `path.py`" that makes it;
+- every project name on the page is given with its file at least once: "`name` in `path.py`",
+  "`name` (same file)" after another name's file, or a line of the map;
 - links to other pages lead to a file and heading that exist.
 """
 from __future__ import annotations
@@ -42,6 +47,14 @@ FILE_ENDINGS = (".py", ".pth", ".json", ".jsonl", ".csv", ".png", ".md", ".txt")
 IDENTIFIER = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?:\(\))?")
 # "`name()` in `path.py`", also "`Name` (in `path.py`)" and "`name()` (`path.py`)"
 IN_FILE = re.compile(r"`([^`]+)`\s+(?:\(\s*)?(?:in\s+)?`([\w/.-]+\.py)`")
+# "`name()` (same file)": the file named last before it
+SAME_FILE = re.compile(r"`([^`]+)`\s+\(same\s+file\)")
+# A line of the map: its indent, the call, and the files named after it.
+MAP_CALL = re.compile(r"^( *)([A-Za-z_][\w.]*)\(\)")
+CUT = "..."  # the line that stands for lines an output block leaves out
+# The lines every training run prints on rank 0, in this order (an epoch line per epoch).
+RUN_LINES = (r"process group: ", r"config: ", r"\d+ images in \d+ classes", r"\w+: \d+ process\(es\) on ",
+             r"precision: ", r"training: epoch ", r"epoch \d+/\d+: ", r"report on ", r"time: start-up ", r"done: ")
 # A redirection (2>&1, > out.log) is no argument of the command before it.
 REDIRECTION = re.compile(r"(?<!\S)\d*(?:>>|>&|<&|>|<)\s*(?:&\d+|\S+)")
 SHELL_WORDS = {"do", "then", "else", "time", "exec"}
@@ -58,6 +71,7 @@ class Code:
     """What the project's source defines, read with ast: names and members per file."""
 
     def __init__(self, root: Path = REPO):
+        self.root = root
         self.top: dict[str, set[str]] = {}  # file -> names defined at its top level
         self.anywhere: dict[str, set[str]] = {}  # function or class name -> files
         self.members: dict[str, set[str]] = {}  # "Class.member" -> files
@@ -170,7 +184,7 @@ def name_problem(span: str, code: Code) -> str | None:
 def file_problems(text: str, code: Code) -> list[str]:
     """Each "`name` in `path.py`" whose name is not defined in that file."""
     problems = []
-    for span, path in IN_FILE.findall(prose(text)):
+    for span, path in given_files(text):
         name = span.removesuffix("()")
         if not IDENTIFIER.fullmatch(span) or path not in code.top:
             continue
@@ -182,15 +196,143 @@ def file_problems(text: str, code: Code) -> list[str]:
     return problems
 
 
+def map_lines(text: str) -> list[tuple[int, str, list[str]]]:
+    """The map's calls: (indent, name without "()", the files on its line)."""
+    return [(len(m[1]), m[2], re.findall(r"[\w/]+\.py\b", line)) for block in blocks(text, "text")
+            for line in block.splitlines() if (m := MAP_CALL.match(line))]
+
+
 def map_problems(text: str, code: Code) -> list[str]:
-    """In the map of calls, each line's first `name()` must be defined in one of the files on that line."""
+    """In the map of calls, each line's call must be defined in one of the files on that line."""
     problems = []
-    for block in blocks(text, "text"):
-        for line in block.splitlines():
-            names, paths = re.findall(r"\b([A-Za-z_]\w*)\(\)", line), re.findall(r"[\w/]+\.py\b", line)
-            if names and paths and not any(names[0] in code.top.get(p, ()) for p in paths):
-                problems.append(f"map: {names[0]}() is in none of {', '.join(paths)}")
+    for _, name, paths in map_lines(text):
+        defined = (lambda p: p in code.members.get(name, ())) if "." in name else (lambda p: name in code.top.get(p, ()))
+        if paths and not name.startswith("torch.") and not any(defined(p) for p in paths):
+            problems.append(f"map: {name}() is in none of {', '.join(paths)}")
     return problems
+
+
+def function_node(root: Path, path: str, name: str) -> ast.FunctionDef | ast.ClassDef | None:
+    """The definition of `name` (`function`, `Class` or `Class.method`) at the top of `path`."""
+    file = root / path
+    if not file.is_file():
+        return None
+    body: list[ast.stmt] = ast.parse(file.read_text()).body
+    node = None
+    for part in name.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part), None)
+        if node is None:
+            return None
+        body = node.body
+    return node
+
+
+def references(root: Path, path: str, node: ast.AST) -> list[tuple[tuple[int, int], str]]:
+    """Where the body of `node` calls a name or hands it on (a function given to a thread), as
+    (where the call ends, the name), in the order they run: a call's arguments end before it.
+    Names imported under another name (`DDP`) are given their own."""
+    tree = ast.parse((root / path).read_text())
+    alias = {a.asname: a.name.rpartition(".")[2] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+             for a in n.names if a.asname}
+    called = {id(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)}
+    found = []
+    for n in ast.walk(node):
+        target = n.func if isinstance(n, ast.Call) else n if id(n) not in called else None
+        name = target.attr if isinstance(target, ast.Attribute) else target.id if isinstance(target, ast.Name) else None
+        if name and (isinstance(n, ast.Call) or isinstance(getattr(n, "ctx", None), ast.Load)):
+            found.append(((n.end_lineno, n.end_col_offset), alias.get(name, name)))
+    return sorted(found)
+
+
+def map_order_problems(text: str, root: Path = REPO) -> list[str]:
+    """Each indented call of the map must be made in the body of the call above it, after the
+    call of its previous sibling: the map reads in the order the code runs."""
+    problems = []
+    lines = map_lines(text)
+    for i, (indent, parent, paths) in enumerate(lines):
+        children = []
+        for child_indent, child, _ in lines[i + 1:]:
+            if child_indent <= indent:
+                break
+            if not children or child_indent <= children[0][0]:
+                children.append((child_indent, child))
+        node = function_node(root, paths[0], parent) if paths and children else None
+        if node is None:
+            continue
+        calls, after, previous = references(root, paths[0], node), (0, 0), None
+        for _, child in children:
+            short = child.rpartition(".")[2]
+            at = next((where for where, name in calls if name == short and where > after), None)
+            if at is None:
+                order = f" after {previous}()" if previous and any(name == short for _, name in calls) else ""
+                problems.append(f"map: {parent}() does not call {child}(){order}")
+            else:
+                after, previous = at, child
+    return problems
+
+
+def skeleton_rows(text: str) -> list[tuple[str, str, str]]:
+    """The skeleton's table: (the call, the function that makes it, its file) per row."""
+    section = re.search(r"^## The skeleton.*?(?=^## )", text, flags=re.M | re.S)
+    rows = []
+    for line in section[0].splitlines() if section else []:
+        cells = line.split("|")[1:-1]
+        if len(cells) == 3 and (call := re.fullmatch(r"\s*`([^`]+)`\s*", cells[0])):
+            where = IN_FILE.search(cells[1])
+            rows.append((call[1], *(where.groups() if where else ("", ""))))
+    return rows
+
+
+def skeleton_problems(text: str, root: Path = REPO) -> list[str]:
+    """Each call of the skeleton is made in the function named beside it."""
+    problems = []
+    rows = skeleton_rows(text)
+    if len(rows) < 12:
+        problems.append(f"skeleton: {len(rows)} rows of `call` | `function()` in `file.py` | why")
+    for call, function, path in rows:
+        node = function_node(root, path, function.removesuffix("()")) if path else None
+        short = call.removesuffix("()").rpartition(".")[2]
+        if node is None:
+            problems.append(f"skeleton: `{call}`: no function `{function}` in `{path}`")
+        elif not any(name == short for _, name in references(root, path, node)):
+            problems.append(f"skeleton: `{call}` is not called in `{function}`")
+    return problems
+
+
+def given_files(text: str) -> list[tuple[str, str]]:
+    """(name, file) for each "`name` in `file.py`" and "`name` (same file)" of the prose, in order;
+    "same file" is the file named last before it."""
+    given, last = [], None
+    for m in re.finditer(rf"{IN_FILE.pattern}|{SAME_FILE.pattern}|`([\w/.-]+\.py)`", prose(text)):
+        if m[2]:
+            given.append((m[1], m[2]))
+            last = m[2]
+        elif m[3] and last:
+            given.append((m[3], last))
+        elif m[4]:
+            last = m[4]
+    return given
+
+
+def project_name(span: str, code: Code) -> str | None:
+    """The project function or class a span names (a member's class), or None for anything else."""
+    if not IDENTIFIER.fullmatch(span) or span.startswith("torch."):
+        return None
+    name = span.removesuffix("()")
+    first = name.split(".")[0]
+    if "." in name:
+        return first if first[0].isupper() and name in code.members else None
+    if name in code.anywhere and (span.endswith("()") or name[0].isupper()):
+        return name
+    return None
+
+
+def unplaced_names(text: str, code: Code) -> list[str]:
+    """Project names the page never gives with their file."""
+    placed = {project_name(span, code) for span, _ in given_files(text)}
+    placed |= {project_name(name + "()", code) for _, name, paths in map_lines(text) if paths}
+    names = {n for span in named(text) if (n := project_name(span, code))}
+    return [f"`{n}` is never given with its file" for n in sorted(names - placed)]
 
 
 def commands(text: str) -> Iterator[list[str]]:
@@ -286,7 +428,25 @@ def output_problems(text: str, code: Code) -> list[str]:
         return any((m := p.search(line)) and m.end() - m.start() >= len(line) / 2 for p in code.patterns)
 
     return [f"output line printed by nothing in the code: {line}" for block in blocks(text, "output")
-            for line in block.splitlines() if line.strip() and not printed(line)]
+            for line in block.splitlines() if line.strip() not in ("", CUT) and not printed(line)]
+
+
+def cut_problems(text: str) -> list[str]:
+    """Output blocks that leave out lines a run prints between two they show, without a `...` there."""
+    problems = []
+    for block in blocks(text, "output"):
+        shown, cut = None, False
+        for line in block.splitlines():
+            if line.strip() == CUT:
+                cut = True
+                continue
+            at = next((i for i, start in enumerate(RUN_LINES) if re.match(start, line)), None)
+            if at is None:
+                continue
+            if shown is not None and at > shown[0] + 1 and not cut:
+                problems.append(f"output block cut without a `{CUT}` line between: {shown[1]}\n  and: {line}")
+            shown, cut = (at, line), False
+    return problems
 
 
 def link_problems(text: str) -> list[str]:
@@ -309,6 +469,8 @@ def _slug(heading: str) -> str:
 def problems_of(text: str, code: Code) -> list[str]:
     found = [p for span in named(text) if (p := name_problem(span, code))]
     found += file_problems(text, code) + map_problems(text, code) + output_problems(text, code) + link_problems(text)
+    found += map_order_problems(text, code.root) + skeleton_problems(text, code.root) + cut_problems(text)
+    found += unplaced_names(text, code)
     found += [p for words in commands(text) for p in command_problems(words)]
     return found
 
@@ -334,13 +496,39 @@ def test_the_page_names_enough_to_be_a_tour(page, code):
     assert len(functions) >= 20, sorted(functions)
     assert len(launches) >= 8, launches
     assert len(IN_FILE.findall(prose(page))) >= 15  # "`name()` in `file.py`" is how the page says where
-    for section in re.split(r"^## ", page, flags=re.M)[1:]:
+    for section in re.split(r"^## (?=\d+\. )", page, flags=re.M)[1:]:
         assert blocks(section, "bash"), f"the stop '{section.splitlines()[0]}' ends without a command to run"
+
+
+def reading_cost(text: str, root: Path = REPO) -> tuple[int, int]:
+    """What following one run costs a reader: the page's lines, and the lines of the functions
+    that the skeleton and the map's first launcher (torchrun's, down to `run()`'s calls) name."""
+    lines: set[tuple[str, int]] = set()
+    wanted = [(fn.removesuffix("()"), path) for _, fn, path in skeleton_rows(text)]
+    for i, (indent, name, paths) in enumerate(map_lines(text)):
+        if indent == 0 and i > 0:
+            break
+        wanted += [(name, paths[0])] if paths else []
+    for name, path in wanted:
+        if (node := function_node(root, path, name)) is not None:
+            lines |= {(path, n) for n in range(node.lineno, node.end_lineno + 1)}
+    return len(text.splitlines()), len(lines)
+
+
+def test_the_page_states_its_reading_cost(page):
+    """The opening's figures, within 10%: the page's lines and the code it sends a reader to."""
+    stated = re.search(r"this page's ([\d,]+) lines.*?([\d,]+) lines of code", " ".join(page.split()))
+    assert stated, "the opening says what following one run costs: this page's N lines ... M lines of code"
+    for said, counted in zip((int(n.replace(",", "")) for n in stated.groups()), reading_cost(page)):
+        assert abs(said - counted) <= counted / 10, (said, counted)
 
 
 def test_readme_links_the_page_on_its_first_screen():
     first_screen = REPO.joinpath("README.md").read_text().split("\n## ", 1)[0]
     assert "(docs/how-it-works.md)" in first_screen
+    skeleton = re.search(r"\(docs/how-it-works\.md#([\w-]+)\)", first_screen)
+    assert skeleton and skeleton[1] in {_slug(h) for h in re.findall(r"^#+ (.+)$", PAGE.read_text(), flags=re.M)}
+    assert "skeleton" in skeleton[1]
 
 
 @pytest.mark.parametrize("change, complaint", [
@@ -353,7 +541,7 @@ def test_readme_links_the_page_on_its_first_screen():
     (("`multi_train_utils/report.py`", "`multi_train_utils/reports.py`"), "no such file"),
     (("`save_atomic()` in `multi_train_utils/checkpoint.py`", "`save_atomic()` in `multi_train_utils/run_folder.py`"),
      "`save_atomic()` is not defined in `multi_train_utils/run_folder.py`"),
-    (("build_loaders()         multi_train_utils/loaders.py", "build_loaders()         multi_train_utils/run.py"),
+    (("build_loaders()             multi_train_utils/loaders.py", "build_loaders()             multi_train_utils/run.py"),
      "map: build_loaders() is in none of multi_train_utils/run.py"),
     (("--img-size 32 --no-plots --output-dir runs/tour\n", "--img-sise 32 --no-plots --output-dir runs/tour\n"),
      "unrecognized arguments: --img-sise"),
@@ -365,6 +553,32 @@ def test_readme_links_the_page_on_its_first_screen():
     (("process group: backend=gloo, world_size=2, rendezvous=127.0.0.1",
       "process group joined: backend=gloo, world_size=2, rendezvous=127.0.0.1"), "printed by nothing in the code"),
     (("(multi-node.md#slurm)", "(multi-node.md#slurm-jobs)"), "no such heading"),
+    # The map in another order than the code's: the launcher reads the environment before the command line,
+    (("  env_ranks()                     multi_train_utils/distributed_utils.py  rank, local rank, world size from the environment\n"
+      "  prepare()                       multi_train_utils/config.py             check the command line, list the images\n",
+      "  prepare()                       multi_train_utils/config.py             check the command line, list the images\n"
+      "  env_ranks()                     multi_train_utils/distributed_utils.py  rank, local rank, world size from the environment\n"),
+     "map: main() does not call env_ranks() after prepare()"),
+    # and writes the run files after the DDP wrap and the resume, not at the start;
+    (("    build_training()", "    write_run_files()             multi_train_utils/run_folder.py\n    build_training()"),
+     "map: run() does not call resume() after write_run_files()"),
+    # a call said to be made where it is not (build_model() reaches create_model() through model_for()).
+    (("      build_model()               multi_train_utils/run.py                on a thread of its own, beside:\n",
+      "      build_model()               multi_train_utils/run.py                on a thread of its own, beside:\n"
+      "        create_model()            model.py\n"), "map: build_model() does not call create_model()"),
+    # A skeleton call put in a function that does not make it.
+    (("| `torch.nn.parallel.DistributedDataParallel.no_sync()` | `train_one_epoch()`",
+      "| `torch.nn.parallel.DistributedDataParallel.no_sync()` | `apply_gradients()`"),
+     "skeleton: `torch.nn.parallel.DistributedDataParallel.no_sync()` is not called in `apply_gradients()`"),
+    (("`EpochPasses.train()` in `multi_train_utils/loaders.py`", "`train_or_stop()` in `multi_train_utils/run.py`"),
+     "skeleton: `EpochSampler.set_epoch()` is not called in `train_or_stop()`"),
+    # An output block that drops the config: line without saying so.
+    (("threads per process=1\n...\n120 images", "threads per process=1\n120 images"),
+     "output block cut without a `...` line between: process group"),
+    # A name given without its file, and a "(same file)" that names the wrong one.
+    (("`image_seed()` in `my_dataset.py`", "`image_seed()`"), "`image_seed` is never given with its file"),
+    (("`set_lr()` (same file)", "`set_lr()` in `multi_train_utils/run.py`"),
+     "`Schedule` is not defined in `multi_train_utils/run.py`"),
 ])
 def test_a_stale_page_is_caught(page, code, change, complaint):
     old, new = change
