@@ -79,7 +79,7 @@ def run(plan: Plan, ctx: DistContext) -> None:
     started = clock()
     args = plan.args
     output_dir = prepare_output_dir(plan, ctx)
-    plotter = Plotter(output_dir) if ctx.is_main and args.plots else None  # forked before any thread starts
+    plotter = Plotter(output_dir) if ctx.is_main and args.plots else None  # forked before the run starts threads
     with plotter or contextlib.nullcontext():
         resume_path = resolve_resume(plan, output_dir, ctx)
         checkpoint = load_checkpoint(resume_path) if resume_path else None
