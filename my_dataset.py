@@ -32,6 +32,11 @@ def eval_resize(img_size: int) -> int:
     return round(img_size / 0.875)  # 224 -> 256, the usual ImageNet evaluation ratio
 
 
+def cache_short_side(config: Mapping[str, Any]) -> int:
+    """The short side --cache keeps each picture at: enough for training's crops and evaluation's."""
+    return max(eval_resize(config["img_size"]), eval_resize(eval_img_size(config)))
+
+
 def decode(path: str, min_size: int) -> torch.Tensor:
     """An upright RGB picture as a uint8 CHW tensor, by the fastest way for this file.
 

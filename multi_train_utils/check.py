@@ -43,10 +43,10 @@ from multi_train_utils.distributed_utils import (
     setup_single,
     teardown,
 )
-from multi_train_utils.loaders import memory_available
+from multi_train_utils.loaders import cache_problem, memory_available
 from multi_train_utils.run_folder import prepare_output_dir
 from multi_train_utils.train_eval_utils import build_training, place_model, train_one_epoch
-from my_dataset import default_workers, eval_img_size, eval_resize
+from my_dataset import cache_short_side, default_workers
 from utils import stderr_line
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -175,7 +175,7 @@ def cache_bytes(args: argparse.Namespace, images: int) -> int:
     4:3 picture is assumed here (most photos are)."""
     if not args.cache:
         return 0
-    side = max(eval_resize(args.img_size), eval_resize(eval_img_size(vars(args))))
+    side = cache_short_side(vars(args))
     return int(images * 3 * side * side * 4 / 3)
 
 
@@ -261,11 +261,11 @@ def memory_rows(f: Facts) -> list[Row]:
         rows.append(Row("/dev/shm", FAIL, f"the loader workers on {f.host} hold about {f.loader_bytes / gib:.2f} GiB "
                         f"of batches in /dev/shm, which has {f.shm_free / gib:.2f} GiB free",
                         "enlarge /dev/shm (docker: --shm-size=8g), or lower --workers or --batch-size"))
-    room = min(f.shm_free, f.memory_available)
-    if f.cache_bytes > 0.8 * room:  # the run's own rule: leave room for the model and the loaders
-        rows.append(Row("--cache", FAIL, f"--cache needs about {f.cache_bytes / gib:.2f} GiB of shared memory on "
-                        f"{f.host}, but only {room / gib:.2f} GiB is available (/dev/shm or free RAM)",
-                        "train without --cache, or with a smaller --img-size; or enlarge /dev/shm"))
+    cache = cache_problem(f.cache_bytes, f.shm_free, f.memory_available)  # the run's own rule and words
+    if cache:
+        finding, _, fix = cache.partition(": ")
+        rows.append(Row("--cache", FAIL, f"on {f.host}: {finding}, assuming 4:3 pictures",
+                        f"{fix}; or enlarge /dev/shm"))
     if not rows:
         cache = f", --cache about {f.cache_bytes / gib:.2f} GiB" if f.cache_bytes else ""
         rows.append(Row("memory", OK, f"/dev/shm {f.shm_free / gib:.1f} GiB free, RAM {f.memory_available / gib:.1f} "

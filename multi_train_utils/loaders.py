@@ -40,6 +40,7 @@ from my_dataset import (
     PixelCache,
     SizeSchedule,
     build_transform,
+    cache_short_side,
     decode,
     default_workers,
     eval_img_size,
@@ -203,7 +204,7 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
     if args.cache:
         started = time.perf_counter()
         cache = SharedImageCache([p for p, _ in split.train + split.val],
-                                 max(eval_resize(args.img_size), eval_resize(val_size)), ctx)
+                                 cache_short_side(vars(args)), ctx)
         ctx.print0(f"cache: {len(cache.shapes)} images, {cache.nbytes / 2**20:.0f} MiB of shared memory, one copy "
                    f"for the {ctx.local_world_size} process(es) on this machine, filled in "
                    f"{time.perf_counter() - started:.1f}s")
@@ -413,13 +414,16 @@ def _picture_shape(path: str, short_side: int) -> tuple[int, int]:
 
 
 def check_cache_room(nbytes: int, ctx: DistContext) -> None:
-    room = min(shutil.disk_usage("/dev/shm").free, memory_available())
-    problem = (
-        f"--cache needs {nbytes / 2**30:.2f} GiB of shared memory, but only {room / 2**30:.2f} GiB is "
-        "available (/dev/shm or free RAM): train without --cache, or with a smaller --img-size"
-    )
-    # Leave room for the model, the loaders and the rest of the machine.
-    raise_together(problem if nbytes > 0.8 * room else None, ctx)
+    raise_together(cache_problem(nbytes, shutil.disk_usage("/dev/shm").free, memory_available()), ctx)
+
+
+def cache_problem(nbytes: int, shm_free: int, available: int) -> str | None:
+    """Why a cache of `nbytes` does not fit a machine with this much free /dev/shm and RAM, or None."""
+    room = min(shm_free, available)
+    if nbytes <= 0.8 * room:  # leave room for the model, the loaders and the rest of the machine
+        return None
+    return (f"--cache needs {nbytes / 2**30:.2f} GiB of shared memory, but only {room / 2**30:.2f} GiB is "
+            "available (/dev/shm or free RAM): train without --cache, or with a smaller --img-size")
 
 
 def raise_together(problem: str | None, ctx: DistContext) -> None:
