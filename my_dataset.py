@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -66,6 +67,7 @@ class Augmentation:
     auto_augment: str = "none"  # a key of AUTO_AUGMENT
     random_erase: float = 0.0  # probability of erasing one rectangle per image
     crop_scale: float = CROP_SCALE  # the random crop's smallest share of the picture's area
+    flip: str = "random"  # "random": each image, each epoch; "alternate": see alternate_flip()
 
 
 def build_transform(img_size: int, train: bool, augmentation: Augmentation = Augmentation()) -> v2.Compose:
@@ -78,8 +80,9 @@ def build_transform(img_size: int, train: bool, augmentation: Augmentation = Aug
     if not train:
         geometry = [v2.Resize(eval_resize(img_size), antialias=True), v2.CenterCrop(img_size)]
         return v2.Compose([v2.PILToTensor(), *geometry])  # PILToTensor: PIL input only, tensors pass through
-    steps = [v2.PILToTensor(), v2.RandomResizedCrop(img_size, (augmentation.crop_scale, 1.0), CROP_RATIO, antialias=True),
-             v2.RandomHorizontalFlip()]
+    steps = [v2.PILToTensor(), v2.RandomResizedCrop(img_size, (augmentation.crop_scale, 1.0), CROP_RATIO, antialias=True)]
+    if augmentation.flip == "random":  # alternating flips need the epoch: MyDataSet makes them
+        steps.append(v2.RandomHorizontalFlip())
     policy = AUTO_AUGMENT[augmentation.auto_augment]
     if policy is not None:
         steps.append(policy())
@@ -137,7 +140,7 @@ def train_transforms(config: Mapping[str, Any]) -> TrainTransforms:
     epoch and the augmentation."""
     return TrainTransforms(size_schedule(config),
                            Augmentation(config.get("auto_augment", "none"), config.get("random_erase", 0.0),
-                                        config.get("crop_scale", CROP_SCALE)))
+                                        config.get("crop_scale", CROP_SCALE), config.get("flip", "random")))
 
 
 def eval_img_size(config: Mapping[str, Any]) -> int:
@@ -228,18 +231,34 @@ class MyDataSet(Dataset):
             # Unreadable files were left out at start-up; this one changed since.
             raise RuntimeError(f"cannot decode {path}: {e}") from e
         transform = self.transform
+        alternate = isinstance(transform, TrainTransforms) and transform.augmentation.flip == "alternate"
         if isinstance(transform, TrainTransforms):
             transform = transform.at_size(size[0]) if size else transform(epoch or 1)
         if epoch is None:
             return transform(img), label
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(image_seed(self.seed, epoch, index))
-            return transform(img), label
+            img = transform(img)
+        # Last, after any policy: a mirror commutes in distribution with the crop, the
+        # policies' operations and the erasing, which all draw both ways alike.
+        if alternate and alternate_flip(self.seed, epoch, index):
+            img = v2.functional.horizontal_flip(img)
+        return img, label
 
 
 def image_seed(seed: int, epoch: int, index: int) -> int:
     """The seed of one image's augmentation in one epoch."""
     return (seed * 1_000_003 + epoch) * 1_000_003 + index
+
+
+def alternate_flip(seed: int, epoch: int, index: int) -> bool:
+    """--flip alternate (Jordan 2024, arXiv:2404.00498): whether an image is mirrored in an
+    epoch. Epoch 1 draws at random, each image its own coin (seeded by the run's seed and
+    the image); every later epoch mirrors exactly the images the epoch before did not, so
+    each pair of epochs shows every image both ways, where independent coins show half of them
+    one way only."""
+    first = random.Random(image_seed(seed, 0, index)).random() < 0.5
+    return first != (epoch % 2 == 0)
 
 
 class CropDraws(Dataset):
@@ -250,11 +269,12 @@ class CropDraws(Dataset):
     all a loader worker does here: the pixels wait on the device, in `DeviceCrops`."""
 
     def __init__(self, samples: Sequence[Sample], shapes: Sequence[tuple[int, int]], seed: int = 0,
-                 crop_scale: float = CROP_SCALE):
+                 crop_scale: float = CROP_SCALE, flip: str = "random"):
         self.labels = [label for _, label in samples]
         self.shapes = list(shapes)
         self.seed = seed
         self.crop_scale = crop_scale
+        self.flip = flip
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -266,6 +286,8 @@ class CropDraws(Dataset):
             torch.manual_seed(image_seed(self.seed, epoch, index))
             top, left, height, width = RandomResizedCrop.get_params(frame, [self.crop_scale, 1.0], list(CROP_RATIO))
             flip = torch.rand(1).item() < 0.5  # v2.RandomHorizontalFlip's draw: flip when below p
+        if self.flip == "alternate":
+            flip = alternate_flip(self.seed, epoch, index)
         return torch.tensor([index, top, left, height, width, int(flip)]), self.labels[index]
 
 

@@ -57,14 +57,17 @@ class Progress:
 
 def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                     progress: Progress, args: argparse.Namespace, class_names: list[str], world_size: int,
-                    ema: nn.Module | None = None, better: str = "model") -> dict[str, Any]:
+                    ema: nn.Module | None = None, better: str = "model",
+                    evaluated_bn: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """`model` is the unwrapped one (no DDP, not compiled): its keys then fit any launcher.
     `ema`: the weight average, when the run keeps one; `better`: which of "model" and "ema"
-    scored higher in this epoch's evaluation, the weights a user of this file ships."""
+    scored higher in this epoch's evaluation, the weights a user of this file ships;
+    `evaluated_bn`: the BatchNorm statistics that evaluation recomputed for those (--bn-recalibrate)."""
     return {
         "model": model.state_dict(),
         **({"ema": ema.state_dict()} if ema is not None else {}),
         "better": better,
+        **({"evaluated_bn": evaluated_bn} if evaluated_bn is not None else {}),
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),
         "epoch": progress.epoch,
@@ -91,8 +94,10 @@ def blurpool(checkpoint: dict[str, Any]) -> bool:
 
 
 def shipped_weights(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The weights a user ships: the better of the model and its average (--ema)."""
-    return checkpoint[checkpoint.get("better", "model")]
+    """The weights a user ships: the better of the model and its average (--ema), with the
+    BatchNorm statistics its evaluation recomputed (--bn-recalibrate), if it did. The
+    checkpoint's "model" keeps the training statistics, which a resumed run goes on from."""
+    return {**checkpoint[checkpoint.get("better", "model")], **checkpoint.get("evaluated_bn", {})}
 
 
 def model_from_checkpoint(checkpoint: dict[str, Any]) -> nn.Module:

@@ -64,6 +64,10 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     data.add_argument("--val-img-size", type=int, default=None,
                       help="evaluate at this size instead (resized to size/0.875, centre-cropped); a little larger "
                            "than the training crop often scores better (default: --img-size)")
+    data.add_argument("--bn-recalibrate", type=int, default=0, metavar="N",
+                      help="before each evaluation, recompute the BatchNorm statistics at the evaluation size on N "
+                           "training images, on a copy of the weights (FixRes); evaluation, best.pth, predict.py "
+                           "and export.py use them (default 0: off)")
     data.add_argument("--min-img-size", type=int, default=None,
                       help="progressive resizing: the training crop of epoch 1, a multiple of 16, growing to "
                            "--img-size by --ramp-epochs in multiples of 16 (default: --img-size throughout)")
@@ -109,6 +113,9 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     aug.add_argument("--crop-scale", type=float, default=CROP_SCALE,
                      help="the random resized crop's smallest share of the picture's area (ImageNet's 0.08; a "
                           "larger one, such as fastai's 0.35, is gentler on a small model or short training)")
+    aug.add_argument("--flip", default="random", choices=["random", "alternate"],
+                     help="the horizontal flip: a coin per image and epoch, or alternate: each image mirrored "
+                          "in every other epoch, starting from a coin in epoch 1 (Jordan 2024)")
     aug.add_argument("--auto-augment", default="none", choices=list(AUTO_AUGMENT),
                      help="torchvision's TrivialAugmentWide, RandAugment or AugMix")
     aug.add_argument("--random-erase", type=float, default=0.0, help="probability of erasing a rectangle")
@@ -220,6 +227,8 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
         raise UserError("--check-timeout must be positive")
     if args.workers is not None and args.workers < 0:
         raise UserError("--workers cannot be negative")
+    if args.bn_recalibrate < 0:
+        raise UserError("--bn-recalibrate cannot be negative")
     if args.num_classes is not None and args.num_classes < 2:
         raise UserError("--num-classes must be at least 2")
     if args.eval_only and not (args.resume or args.weights):

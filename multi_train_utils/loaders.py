@@ -3,6 +3,7 @@ training images on the device (--device-augment), and the training and validatio
 their distributed samplers."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import mmap
 import os
@@ -210,7 +211,7 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
                    f"{time.perf_counter() - started:.1f}s")
     if on_device:
         crops = device_crops(split, eval_resize(args.img_size), ctx, cache)
-        train_set = CropDraws(split.train, crops.frames.tolist(), args.seed, args.crop_scale)
+        train_set = CropDraws(split.train, crops.frames.tolist(), args.seed, args.crop_scale, args.flip)
     else:
         train_set = MyDataSet(split.train, train_transforms(vars(args)), args.img_size, args.seed, cache)
     val_set = MyDataSet(split.val, build_transform(val_size, train=False), eval_resize(val_size), cache=cache)
@@ -226,6 +227,18 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
     if on_device:
         return DeviceAugmentedLoader(train_loader, crops, size_schedule(vars(args))), val_loader
     return train_loader, val_loader
+
+
+def recalibration_batches(split: DataSplit, args: argparse.Namespace) -> list[torch.Tensor]:
+    """--bn-recalibrate's images: N training images spread evenly over the split (every class
+    in its share), prepared as validation images are, in batches of --batch-size; uint8, a
+    few MiB. The same on every rank."""
+    n = min(args.bn_recalibrate, len(split.train))
+    size = eval_img_size(vars(args))
+    chosen = MyDataSet([split.train[i * len(split.train) // n] for i in range(n)],
+                       build_transform(size, train=False), eval_resize(size))
+    images = torch.stack([chosen[i][0] for i in range(n)])
+    return list(images.split(args.batch_size))
 
 
 class DeviceAugmentedLoader:

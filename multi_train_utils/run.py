@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,7 +47,14 @@ from multi_train_utils.distributed_utils import (
     broadcast_buffers,
     broadcast_object,
 )
-from multi_train_utils.loaders import DeviceAugmentedLoader, EpochPasses, RunData, build_loaders, run_data
+from multi_train_utils.loaders import (
+    DeviceAugmentedLoader,
+    EpochPasses,
+    RunData,
+    build_loaders,
+    recalibration_batches,
+    run_data,
+)
 from multi_train_utils.plotter import Plotter
 from multi_train_utils.report import evaluation_report, report_line, write_report
 from multi_train_utils.run_folder import (
@@ -59,10 +67,12 @@ from multi_train_utils.run_folder import (
     write_run_files,
 )
 from multi_train_utils.train_eval_utils import (
+    BatchNormRecalibration,
     Outputs,
     PlacedModel,
     StoppedInEpoch,
     Training,
+    batch_norm_statistics,
     build_schedule,
     build_training,
     global_batch,
@@ -86,7 +96,7 @@ def run(plan: Plan, ctx: DistContext) -> None:
         begun = start_up(plan, checkpoint, resume_path, output_dir, ctx)
         if args.eval_only:
             evaluate_only(begun.placed, begun.val_loader, begun.data.split, resume_path or args.weights, output_dir,
-                          plotter, ctx)
+                          plotter, args, ctx)
             return
         training = build_training(begun.placed, args, ctx, len(begun.train_loader))
         progress = resume(training, checkpoint, resume_path, args, begun.data.lost_files, ctx)
@@ -231,8 +241,13 @@ def resume(training: Training, checkpoint: dict[str, Any] | None, source: str | 
 
 
 def evaluate_only(placed: PlacedModel, val_loader: DataLoader, split: DataSplit, source: str, output_dir: Path,
-                  plotter: Plotter | None, ctx: DistContext) -> None:
-    """--eval-only: one pass over the validation set gives eval.json and the report."""
+                  plotter: Plotter | None, args: argparse.Namespace, ctx: DistContext) -> None:
+    """--eval-only: one pass over the validation set gives eval.json and the report. With
+    --bn-recalibrate the statistics are recomputed first (a checkpoint of a run that did so
+    holds them already: the same ones come out)."""
+    recalibrate = recalibration(split, args)
+    if recalibrate:
+        placed = recalibrate(placed, ctx)
     outputs = validation_outputs(placed, val_loader)
     result = validation_metrics(outputs, ctx)
     ctx.print0(f"eval {source}: acc {result['val_acc']:.4f} ({result['val_correct']}/{result['val_total']}), "
@@ -302,6 +317,7 @@ def train_epochs(training: Training, passes: EpochPasses, plan: Plan, split: Dat
     budget = budget_seconds(args)
     train_loader = passes.train_loader
     files = EpochWriter(output_dir) if ctx.is_main else None
+    recalibrate = recalibration(split, args)
     best = None
     with TerminationRequest() as termination, files or contextlib.nullcontext():
         training = dataclasses.replace(training, stop_requested=termination)
@@ -322,24 +338,31 @@ def train_epochs(training: Training, passes: EpochPasses, plan: Plan, split: Dat
             passes.begin_val()
             if epoch < epochs_of(progress, args) and (progress.budget_epochs or not budget):
                 passes.begin_train(epoch + 1)  # its batches load while the model evaluates
-            val, better, outputs = evaluate_epoch(training, passes, ctx)
+            evaluated = evaluate_epoch(training, passes, recalibrate, ctx)
             took = EpochTime(trained - started, clock() - trained)
-            record = epoch_record(epoch, train, val, training, split, took.train, took.eval, ctx)
-            is_best = progress.record(epoch, max(val["val_acc"], val.get("ema_val_acc", 0.0)),  # the better one's
-                                      took.train, took.eval)
+            record = epoch_record(epoch, train, evaluated.val, training, split, took.train, took.eval, ctx)
+            is_best = progress.record(epoch, max(evaluated.val["val_acc"], evaluated.val.get("ema_val_acc", 0.0)),
+                                      took.train, took.eval)  # the better one's
             if is_best:
-                best = BestEpoch(epoch, better, outputs)
+                best = BestEpoch(epoch, evaluated.better, evaluated.outputs)
             if budget and progress.budget_epochs is None:  # epoch 1 timed: fix the count the checkpoint records
                 whole = EpochTime(took.train * (1 + steps_before / max(1, len(train_loader))), took.eval)
                 progress.budget_epochs = fix_epochs(budget, whole, args, ctx)
                 training = sized_to(progress.budget_epochs, training, train_loader, args, output_dir, ctx)
             if files:
-                files.save_epoch(checkpoint_of(training, progress, args, split, ctx, better), record, is_best)
+                files.save_epoch(checkpoint_of(training, progress, args, split, ctx, evaluated), record, is_best)
                 print(epoch_line(record, epochs_of(progress, args), is_best), flush=True)
             # The other ranks do not wait for these writes: they meet rank 0 again at its next
             # collective (the next epoch's, or the final report's).
             epoch += 1
     return best
+
+
+def recalibration(split: DataSplit, args: argparse.Namespace) -> BatchNormRecalibration | None:
+    """--bn-recalibrate's, its images prepared on first use."""
+    if not args.bn_recalibrate:
+        return None
+    return BatchNormRecalibration(functools.cache(lambda: recalibration_batches(split, args)))
 
 
 def epochs_of(progress: Progress, args: argparse.Namespace) -> int:
@@ -391,22 +414,38 @@ def agree_to_go_on(budget: float, epoch: int, resumed: bool, progress: Progress,
     return False
 
 
-def evaluate_epoch(training: Training, passes: EpochPasses, ctx: DistContext) -> tuple[dict[str, float], str, Outputs]:
-    """The model's validation metrics, and its weight average's (as ema_*) when there is one;
-    which of the two, "model" or "ema", scored higher; and that one's outputs. BatchNorm
-    statistics come from rank 0 first: every rank then evaluates the same weights."""
-    broadcast_buffers(training.placed.module, ctx)
-    outputs = validation_outputs(training.placed, passes.val())
-    val = validation_metrics(outputs, ctx)
-    if training.ema is None:
-        return val, "model", outputs
-    broadcast_buffers(training.ema.module, ctx)
-    average_outputs = validation_outputs(dataclasses.replace(training.placed, module=training.ema.module), passes.val())
-    average = validation_metrics(average_outputs, ctx)
-    val.update({f"ema_{k}": v for k, v in average.items()})
-    if average["val_acc"] > val["val_acc"]:
-        return val, "ema", average_outputs
-    return val, "model", outputs
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """An epoch's evaluation: the metrics (the weight average's as ema_*), which weights
+    scored higher ("model" or "ema"), their outputs, and their recomputed BatchNorm statistics
+    (--bn-recalibrate; else None)."""
+
+    val: dict[str, float]
+    better: str
+    outputs: Outputs
+    evaluated_bn: dict[str, torch.Tensor] | None
+
+
+def evaluate_epoch(training: Training, passes: EpochPasses, recalibrate: BatchNormRecalibration | None,
+                   ctx: DistContext) -> Evaluation:
+    """The model's validation metrics, and its weight average's when there is one, each
+    evaluated as `recalibrate` prepares it. BatchNorm statistics come from rank 0 first:
+    every rank then evaluates the same weights."""
+    modules = {"model": training.placed.module, **({"ema": training.ema.module} if training.ema else {})}
+    done = {}
+    for name, module in modules.items():
+        broadcast_buffers(module, ctx)
+        placed = dataclasses.replace(training.placed, module=module)
+        if recalibrate:
+            placed = recalibrate(placed, ctx)
+        outputs = validation_outputs(placed, passes.val())
+        done[name] = (validation_metrics(outputs, ctx), outputs, placed.module)
+    val = dict(done["model"][0])
+    if "ema" in done:
+        val.update({f"ema_{k}": v for k, v in done["ema"][0].items()})
+    better = "ema" if "ema" in done and done["ema"][0]["val_acc"] > val["val_acc"] else "model"
+    _, outputs, module = done[better]
+    return Evaluation(val, better, outputs, batch_norm_statistics(module) if recalibrate else None)
 
 
 def train_or_stop(training: Training, passes: EpochPasses, epoch: int, progress: Progress, args: argparse.Namespace,
@@ -428,9 +467,11 @@ def train_or_stop(training: Training, passes: EpochPasses, epoch: int, progress:
 
 
 def checkpoint_of(training: Training, progress: Progress, args: argparse.Namespace, split: DataSplit,
-                  ctx: DistContext, better: str = "model") -> dict[str, Any]:
+                  ctx: DistContext, evaluated: Evaluation | None = None) -> dict[str, Any]:
+    """What the run has come to; `evaluated`: its last epoch's evaluation (none inside an epoch)."""
     return make_checkpoint(training.placed.module, training.optimizer, training.scaler, progress, args,
-                           split.class_names, ctx.world_size, training.ema.module if training.ema else None, better)
+                           split.class_names, ctx.world_size, training.ema.module if training.ema else None,
+                           evaluated.better if evaluated else "model", evaluated.evaluated_bn if evaluated else None)
 
 
 def epoch_record(epoch: int, train: dict[str, float], val: dict[str, float], training: Training, split: DataSplit,

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from model import classifier, convert_sync_batchnorm, set_train_mode
 from multi_train_utils.budget import planned_epochs
-from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum
+from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum, broadcast_buffers
 from my_dataset import normalize
 from utils import TrainingDiverged
 
@@ -359,6 +359,46 @@ def validation_outputs(placed: PlacedModel, loader: Iterable) -> Outputs:
     """Every batch's predictions, kept: an epoch's metrics are computed from them, and the best
     epoch's become the final report without a second pass (a few numbers per image)."""
     return list(predictions(placed, loader))
+
+
+class BatchNormRecalibration:
+    """--bn-recalibrate: FixRes's cheap half (Touvron et al. 2019). A model trained on random
+    crops and evaluated on larger centre crops sees larger objects at evaluation, and its
+    BatchNorm statistics, averaged over the training crops, no longer fit. Before evaluating,
+    a copy of the weights gets statistics recomputed on training images prepared as the
+    validation images are (resized and centre-cropped at the evaluation size), forward only:
+    each BatchNorm's mean and variance averaged over the batches, as
+    torch.optim.swa_utils.update_bn computes them. The weights being trained keep theirs.
+
+    `batches`: gives the uint8 batches, every rank the same ones (the same copy then comes out
+    on every rank, at any world size)."""
+
+    def __init__(self, batches: Callable[[], Sequence[torch.Tensor]]):
+        self.batches = batches
+
+    @torch.no_grad()
+    def __call__(self, placed: PlacedModel, ctx: DistContext) -> PlacedModel:
+        module = copy.deepcopy(placed.module)
+        for norm in batch_norms(module):
+            norm.reset_running_stats()
+            norm.momentum = None  # a plain average over the batches, not a moving one
+        module.train()
+        for images in self.batches():
+            module(placed.input(images))
+        module.eval()
+        broadcast_buffers(module, ctx)  # GPU kernels need not repeat to the bit: rank 0's, everywhere
+        return dataclasses.replace(placed, module=module)
+
+
+def batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def batch_norm_statistics(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The BatchNorm buffers of `module` (running mean, variance and batch count), by state-dict key."""
+    names = {id(m): name for name, m in module.named_modules()}
+    return {f"{names[id(m)]}.{key}".lstrip("."): value.detach().clone()
+            for m in batch_norms(module) for key, value in m.named_buffers(recurse=False)}
 
 
 def evaluate(placed: PlacedModel, loader: Iterable, ctx: DistContext) -> dict[str, float]:

@@ -19,14 +19,16 @@ from model import BlurConv2d, classifier, create_model, freeze_backbone
 from multi_train_utils.checkpoint import load_checkpoint, model_from_checkpoint
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.train_eval_utils import (
+    BatchNormRecalibration,
     PlacedModel,
     WeightAverage,
+    batch_norm_statistics,
     build_training,
     mixed,
     place_model,
     train_one_epoch,
 )
-from my_dataset import Augmentation, MyDataSet, SizeSchedule, build_transform, eval_img_size, train_transforms
+from my_dataset import Augmentation, CropDraws, MyDataSet, SizeSchedule, build_transform, eval_img_size, train_transforms
 from utils import UserError, list_images
 
 CPU = torch.device("cpu")
@@ -256,3 +258,84 @@ def test_accumulation_all_reduces_once_per_optimizer_step():
         assert counts == {1: 4, 2: 2}
     finally:
         dist.destroy_process_group()
+
+
+class OnePicture:
+    """A PixelCache that gives every path the same square picture, left half dark: a crop of
+    the whole square shows plainly whether it was mirrored."""
+
+    def __init__(self, side: int = 32):
+        self.picture = torch.zeros(3, side, side, dtype=torch.uint8)
+        self.picture[..., side // 2:] = 255
+
+    def get(self, path: str) -> torch.Tensor:
+        return self.picture
+
+
+def test_alternating_flip_mirrors_each_image_in_every_other_epoch():
+    """--flip alternate: epoch 1 mirrors about half the images, each later epoch exactly the
+    ones the epoch before did not; the loader's pixels and --device-augment's draws agree."""
+    frames = [(32, 32)] * 200
+    samples = [("x.jpg", 0)] * len(frames)
+    draws = CropDraws(samples, frames, seed=3, flip="alternate")
+    flips = torch.tensor([[draws[(epoch, i)][0][5].item() for i in range(len(frames))] for epoch in range(1, 6)])
+    assert 0.35 < flips[0].float().mean() < 0.65
+    assert torch.equal(flips[1:], 1 - flips[:-1])
+    assert not torch.equal(flips[0], torch.tensor([CropDraws(samples, frames, seed=4, flip="alternate")[(1, i)][0][5]
+                                                   for i in range(len(frames))]))  # the seed's coins
+    cache = OnePicture()
+    loader_set = MyDataSet(samples[:20], train_transforms({"img_size": 32, "crop_scale": 1.0, "flip": "alternate"}),
+                           32, seed=3, cache=cache)
+    for epoch in (1, 2, 3):
+        for i in range(20):
+            image = loader_set[(epoch, i)][0]  # the whole square: a crop of all its area and ratio 1
+            assert torch.equal(image, cache.picture.flip(-1) if flips[epoch - 1, i] else cache.picture)
+    assert v2.RandomHorizontalFlip in [type(t) for t in train_transforms({"img_size": 32})(1).transforms]
+    assert v2.RandomHorizontalFlip not in [type(t) for t in train_transforms({"img_size": 32, "flip": "alternate"})(1).transforms]
+
+
+def test_recalibration_recomputes_batchnorm_statistics_on_a_copy():
+    """--bn-recalibrate: each BatchNorm's running mean becomes the average of its batch means
+    over the given batches (here the first one's, checked directly); the trained model keeps
+    its own statistics, and recalibrating twice gives the same ones."""
+    torch.manual_seed(0)
+    placed = place_model(create_model(5), args_for("--amp", "off"), CPU)
+    before = batch_norm_statistics(placed.module)
+    batches = list(sample_batch(12, 48)[0].split(4))
+    recalibrate = BatchNormRecalibration(lambda: batches)
+    copy = recalibrate(placed, DistContext.single())
+    assert not copy.module.training and copy.module is not placed.module
+    with torch.no_grad():
+        means = [placed.module.conv1(placed.input(b)).mean((0, 2, 3)) for b in batches]
+    torch.testing.assert_close(copy.module.bn1.running_mean, torch.stack(means).mean(0), rtol=1e-4, atol=1e-5)
+    assert copy.module.bn1.num_batches_tracked.item() == 3
+    after = batch_norm_statistics(placed.module)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    again = batch_norm_statistics(recalibrate(copy, DistContext.single()).module)
+    assert all(torch.equal(v, again[k]) for k, v in batch_norm_statistics(copy.module).items())
+    assert set(before) == {k for k in placed.module.state_dict() if k.split(".")[-1] in
+                           ("running_mean", "running_var", "num_batches_tracked")}
+
+
+@pytest.mark.slow
+def test_recalibrated_statistics_are_what_the_checkpoint_ships(tmp_path):
+    """A run with --bn-recalibrate and --flip alternate: best.pth ships the statistics its
+    evaluation recomputed, so --eval-only and predict.py's model count what the run logged;
+    the weights it trains on keep their own: they end as those of the same run without it, and
+    the checkpoint holds those, which a resumed run goes on from."""
+    recipe = ["--bn-recalibrate", "24", "--val-img-size", "40", "--flip", "alternate"]
+    whole, plain, rest = tmp_path / "whole", tmp_path / "plain", tmp_path / "eval"
+    ok(train("single", whole, "--epochs", "2", *recipe))
+    ckpt = load_checkpoint(whole / "best.pth")
+    stats = ckpt["evaluated_bn"]
+    assert stats and not torch.equal(stats["bn1.running_mean"], ckpt["model"]["bn1.running_mean"])
+    rebuilt = model_from_checkpoint(ckpt)
+    assert torch.equal(rebuilt.bn1.running_mean, stats["bn1.running_mean"])
+    best = next(r for r in metrics(whole) if r["epoch"] == ckpt["epoch"])
+    for again in ([], recipe):  # the shipped statistics as they are, and recomputed: the same count
+        ok(train("single", rest, "--eval-only", "--resume", str(whole / "best.pth"), "--val-img-size", "40", *again))
+        assert json.loads((rest / "eval.json").read_text())["val_correct"] == best["val_correct"]
+    ok(train("single", plain, "--epochs", "2", *recipe[2:]))
+    trained, recalibrated = load_checkpoint(plain / "last.pth"), load_checkpoint(whole / "last.pth")
+    assert "evaluated_bn" not in trained
+    assert all(torch.equal(v, recalibrated["model"][k]) for k, v in trained["model"].items())
