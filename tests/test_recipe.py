@@ -320,7 +320,8 @@ def test_recalibration_recomputes_batchnorm_statistics_on_a_copy():
 @pytest.mark.slow
 def test_recalibrated_statistics_are_what_the_checkpoint_ships(tmp_path):
     """A run with --bn-recalibrate and --flip alternate: best.pth ships the statistics its
-    evaluation recomputed, so --eval-only and predict.py's model count what the run logged;
+    evaluation recomputed, so --eval-only (recomputing them or not, with 1 process or 2) and
+    predict.py's model count what the run logged;
     the weights it trains on keep their own: they end as those of the same run without it, and
     the checkpoint holds those, which a resumed run goes on from."""
     recipe = ["--bn-recalibrate", "24", "--val-img-size", "40", "--flip", "alternate"]
@@ -332,8 +333,10 @@ def test_recalibrated_statistics_are_what_the_checkpoint_ships(tmp_path):
     rebuilt = model_from_checkpoint(ckpt)
     assert torch.equal(rebuilt.bn1.running_mean, stats["bn1.running_mean"])
     best = next(r for r in metrics(whole) if r["epoch"] == ckpt["epoch"])
-    for again in ([], recipe):  # the shipped statistics as they are, and recomputed: the same count
-        ok(train("single", rest, "--eval-only", "--resume", str(whole / "best.pth"), "--val-img-size", "40", *again))
+    # The shipped statistics as they are, and recomputed, in one process and in two: the same count.
+    for again, launcher, nproc in (([], "single", 1), (recipe, "single", 1), (recipe, "spawn", 2)):
+        ok(train(launcher, rest, "--eval-only", "--resume", str(whole / "best.pth"), "--val-img-size", "40", *again,
+                 nproc=nproc))
         assert json.loads((rest / "eval.json").read_text())["val_correct"] == best["val_correct"]
     ok(train("single", plain, "--epochs", "2", *recipe[2:]))
     trained, recalibrated = load_checkpoint(plain / "last.pth"), load_checkpoint(whole / "last.pth")
