@@ -310,33 +310,27 @@ clock = time.perf_counter
 def train_epochs(training: Training, passes: EpochPasses, plan: Plan, split: DataSplit, progress: Progress,
                  output_dir: Path, ctx: DistContext) -> BestEpoch | None:
     """Train, evaluate and save, epoch after epoch, from where `progress` stands; the best
-    epoch this call trained, if any beat the ones before. Under --time-budget, epoch 1 fixes
-    how many epochs the run trains, and the run ends early when the next epoch's training
-    would not fit in what is left of the budget."""
+    epoch this call trained, if any beat the ones before. How many epochs (--epochs, or what
+    --time-budget fits) is EpochCount's business."""
     args = plan.args
-    budget = budget_seconds(args)
-    train_loader = passes.train_loader
     files = EpochWriter(output_dir) if ctx.is_main else None
     recalibrate = recalibration(split, args)
     best = None
     with TerminationRequest() as termination, files or contextlib.nullcontext():
-        training = dataclasses.replace(training, stop_requested=termination)
-        if progress.budget_epochs:  # resumed: the count stays the one fixed before
-            training = sized_to(progress.budget_epochs, training, train_loader, args, output_dir, ctx)
-        ctx.print0(f"training: epoch {progress.epoch + 1} of {epochs_shown(progress, args)}, "
-                   f"{len(train_loader)} batches per process")
-        resumed_at = epoch = progress.epoch + 1
-        while epoch <= epochs_of(progress, args):
-            if budget and not agree_to_go_on(budget, epoch, epoch == resumed_at > 1, progress, args, ctx):
-                break
+        count = EpochCount(args, progress, passes.train_loader, output_dir, ctx)
+        training = count.fitted(dataclasses.replace(training, stop_requested=termination))
+        ctx.print0(f"training: epoch {progress.epoch + 1} of {count.shown()}, "
+                   f"{len(passes.train_loader)} batches per process")
+        epoch = progress.epoch + 1
+        while count.starts(epoch):
             steps_before = progress.steps_in_epoch
             started = clock()
-            train = train_or_stop(training, passes, epoch, progress, args, split, output_dir, files, ctx)
+            train = train_or_stop(training, passes, epoch, count.total(), progress, args, split, output_dir, files, ctx)
             trained = clock()
             # The validation pass first: its first one forks the loader's workers, which is best
             # done while no other loader is handing out batches.
             passes.begin_val()
-            if epoch < epochs_of(progress, args) and (progress.budget_epochs or not budget):
+            if count.known_to_follow(epoch):
                 passes.begin_train(epoch + 1)  # its batches load while the model evaluates
             evaluated = evaluate_epoch(training, passes, recalibrate, ctx)
             took = EpochTime(trained - started, clock() - trained)
@@ -345,13 +339,10 @@ def train_epochs(training: Training, passes: EpochPasses, plan: Plan, split: Dat
                                       took.train, took.eval)  # the better one's
             if is_best:
                 best = BestEpoch(epoch, evaluated.better, evaluated.outputs)
-            if budget and progress.budget_epochs is None:  # epoch 1 timed: fix the count the checkpoint records
-                whole = EpochTime(took.train * (1 + steps_before / max(1, len(train_loader))), took.eval)
-                progress.budget_epochs = fix_epochs(budget, whole, args, ctx)
-                training = sized_to(progress.budget_epochs, training, train_loader, args, output_dir, ctx)
+            training = count.timed(took, steps_before, training)
             if files:
                 files.save_epoch(checkpoint_of(training, progress, args, split, ctx, evaluated), record, is_best)
-                print(epoch_line(record, epochs_of(progress, args), is_best), flush=True)
+                print(epoch_line(record, count.total(), is_best), flush=True)
             # The other ranks do not wait for these writes: they meet rank 0 again at its next
             # collective (the next epoch's, or the final report's).
             epoch += 1
@@ -365,53 +356,80 @@ def recalibration(split: DataSplit, args: argparse.Namespace) -> BatchNormRecali
     return BatchNormRecalibration(functools.cache(lambda: recalibration_batches(split, args)))
 
 
-def epochs_of(progress: Progress, args: argparse.Namespace) -> int:
-    """The epochs the run trains in all: as --time-budget fixed them, else --epochs (before the
-    budget has fixed them: the most it may)."""
-    return progress.budget_epochs or most_epochs(args)
+class EpochCount:
+    """How many epochs the run trains, and whether the next one starts. --epochs decides, or
+    under --time-budget epoch 1's time fixes the count once (rank 0's clock, one decision
+    for all ranks, recorded in `progress` and so in every checkpoint), and before each later
+    epoch a guard ends the run when that epoch's training would not fit in what is left.
+    Whenever the count is fixed, the learning-rate decay and the crop sizes are fitted to it."""
 
+    def __init__(self, args: argparse.Namespace, progress: Progress, train_loader: DataLoader | DeviceAugmentedLoader,
+                 output_dir: Path, ctx: DistContext):
+        self.args, self.progress, self.train_loader, self.output_dir, self.ctx = args, progress, train_loader, output_dir, ctx
+        self.budget = budget_seconds(args)
+        self.resumed_at = progress.epoch + 1
 
-def epochs_shown(progress: Progress, args: argparse.Namespace) -> str:
-    """The run's epoch count as the first training line says it: the number, or under a budget
-    not yet fixed, how it will be decided."""
-    if progress.budget_epochs or args.time_budget is None:
-        return str(epochs_of(progress, args))
-    return f"as many as --time-budget {args.time_budget} fits (at most {most_epochs(args)}; counted after this epoch)"
+    def total(self) -> int:
+        """The epochs the run trains in all: as the budget fixed them, else --epochs (before the
+        budget has fixed them: the most it may)."""
+        return self.progress.budget_epochs or most_epochs(self.args)
 
+    def shown(self) -> str:
+        """The count as the first training line says it: the number, or under a budget not yet
+        fixed, how it will be decided."""
+        if self.progress.budget_epochs or self.args.time_budget is None:
+            return str(self.total())
+        return (f"as many as --time-budget {self.args.time_budget} fits (at most {most_epochs(self.args)}; "
+                f"counted after this epoch)")
 
-def fix_epochs(budget: float, first: EpochTime, args: argparse.Namespace, ctx: DistContext) -> int:
-    """The epoch count that fits the budget, from rank 0's epoch 1: one decision for all ranks."""
-    fit = None
-    if ctx.is_main:
-        fit = epochs_that_fit(budget, first, most_epochs(args), lambda n: run_sizes(args, n))
-        print(budget_message(args, fit, first), flush=True)
-    return broadcast_object(fit, ctx)
+    def fitted(self, training: Training) -> Training:
+        """`training` fitted to the count a resumed run fixed before (it stays that one)."""
+        return self.sized_to(self.progress.budget_epochs, training) if self.progress.budget_epochs else training
 
+    def starts(self, epoch: int) -> bool:
+        """Whether every rank trains `epoch`: within the count, and under a budget with room
+        for it, as rank 0 decides (its clock), so that all stop together."""
+        if epoch > self.total():
+            return False
+        if not self.budget:
+            return True
+        progress = self.progress
+        go_on = room_for_another(self.budget, progress.seconds_used, progress.slowest_train) if self.ctx.is_main else None
+        if broadcast_object(go_on, self.ctx):
+            return True
+        why = ("before the resume; a larger --time-budget gives the run more time" if epoch == self.resumed_at > 1
+               else "the epochs ran slower than epoch 1")
+        self.ctx.print0(f"time budget: {progress.seconds_used:.1f}s of --time-budget {self.args.time_budget} used and "
+                        f"an epoch's training takes up to {progress.slowest_train:.1f}s: ending after epoch "
+                        f"{epoch - 1} of {self.total()} ({why})")
+        return False
 
-def sized_to(epochs: int, training: Training, train_loader: DataLoader, args: argparse.Namespace, output_dir: Path,
-             ctx: DistContext) -> Training:
-    """`training` with its learning-rate decay, and the loader with its crop sizes, fitted to
-    a run of `epochs` epochs; config.json records the count."""
-    train_loader.sampler.sizes = run_sizes(args, epochs)
-    if ctx.is_main:
-        record_budget_epochs(output_dir, epochs)
-    return dataclasses.replace(training, schedule=build_schedule(args, training.schedule.peak,
-                                                                 training.steps_per_epoch, epochs))
+    def known_to_follow(self, epoch: int) -> bool:
+        """Whether an epoch is sure to follow `epoch` (the guard aside), so that its pass may begin
+        now: not while the budget has yet to fix the count."""
+        return epoch < self.total() and bool(self.progress.budget_epochs or not self.budget)
 
+    def timed(self, took: EpochTime, steps_before: int, training: Training) -> Training:
+        """After an epoch: under a budget not yet fixed, the count that epoch 1's time gives
+        (a resumed epoch 1's rest scaled to the whole epoch), and `training` fitted to it."""
+        if not self.budget or self.progress.budget_epochs is not None:
+            return training
+        whole = EpochTime(took.train * (1 + steps_before / max(1, len(self.train_loader))), took.eval)
+        fit = None
+        if self.ctx.is_main:
+            fit = epochs_that_fit(self.budget, whole, most_epochs(self.args), lambda n: run_sizes(self.args, n))
+            print(budget_message(self.args, fit, whole), flush=True)
+        self.progress.budget_epochs = broadcast_object(fit, self.ctx)
+        return self.sized_to(self.progress.budget_epochs, training)
 
-def agree_to_go_on(budget: float, epoch: int, resumed: bool, progress: Progress, args: argparse.Namespace,
-                   ctx: DistContext) -> bool:
-    """Whether every rank starts `epoch`: rank 0 decides (its clock), so all stop together.
-    `resumed`: `epoch` is the first of a resumed run, which has only what is left of the budget."""
-    go_on = room_for_another(budget, progress.seconds_used, progress.slowest_train) if ctx.is_main else None
-    if broadcast_object(go_on, ctx):
-        return True
-    why = ("before the resume; a larger --time-budget gives the run more time" if resumed else
-           "the epochs ran slower than epoch 1")
-    ctx.print0(f"time budget: {progress.seconds_used:.1f}s of --time-budget {args.time_budget} used and an epoch's "
-               f"training takes up to {progress.slowest_train:.1f}s: ending after epoch {epoch - 1} of "
-               f"{epochs_of(progress, args)} ({why})")
-    return False
+    def sized_to(self, epochs: int, training: Training) -> Training:
+        """`training` with its learning-rate decay, and the loader with its crop sizes, fitted to
+        a run of `epochs` epochs; config.json records the count."""
+        self.train_loader.sampler.sizes = run_sizes(self.args, epochs)
+        if self.ctx.is_main:
+            record_budget_epochs(self.output_dir, epochs)
+        return dataclasses.replace(training, schedule=build_schedule(self.args, training.schedule.peak,
+                                                                     training.steps_per_epoch, epochs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,14 +466,14 @@ def evaluate_epoch(training: Training, passes: EpochPasses, recalibrate: BatchNo
     return Evaluation(val, better, outputs, batch_norm_statistics(module) if recalibrate else None)
 
 
-def train_or_stop(training: Training, passes: EpochPasses, epoch: int, progress: Progress, args: argparse.Namespace,
-                  split: DataSplit, output_dir: Path, files: EpochWriter | None, ctx: DistContext) -> dict[str, float]:
+def train_or_stop(training: Training, passes: EpochPasses, epoch: int, epochs: int, progress: Progress,
+                  args: argparse.Namespace, split: DataSplit, output_dir: Path, files: EpochWriter | None,
+                  ctx: DistContext) -> dict[str, float]:
     """One training epoch, or what a stopped run left of it. On SIGTERM every process stops at
     the same step, rank 0 saves that position, and the run ends with Preempted."""
     batches = passes.train(epoch, skip=progress.steps_in_epoch * args.batch_size)
     try:
-        return train_one_epoch(training, batches, ctx, epoch, epochs_of(progress, args),
-                               progress.steps_in_epoch, progress.epoch_sums)
+        return train_one_epoch(training, batches, ctx, epoch, epochs, progress.steps_in_epoch, progress.epoch_sums)
     except StoppedInEpoch as stop:
         if files:
             stopped = dataclasses.replace(progress, epoch=epoch - 1, steps_in_epoch=stop.steps_done,

@@ -256,74 +256,129 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoch: int, epochs: int,
                     steps_done: int = 0, sums_so_far: Sequence[float] = (0.0, 0.0, 0.0)) -> dict[str, float]:
     """One pass over this rank's shard, or its rest after `steps_done` batches that summed to
-    `sums_so_far` over all ranks. Every `accum_steps` batches make one optimizer step. Loss and
-    accuracy stay on the device as running sums and are all-reduced once at the end; the host
-    looks at them every CHECK_EVERY optimizer steps, which is also when the ranks agree to stop
-    (StoppedInEpoch) if one of them was asked to."""
-    model, placed, k = training.model, training.placed, training.accum_steps
-    set_train_mode(model)
-    device = ctx.device
-    # loss sum, correct, images; what earlier steps summed to is counted once, on rank 0
-    sums = torch.tensor(sums_so_far if ctx.is_main else (0.0, 0.0, 0.0), dtype=torch.float64, device=device)
-    images_seen = 0
-    # Seconds the loop stood waiting for the loader's next batch: on a GPU, time it may have
-    # starved (the host otherwise runs ahead of the device). Measured on the host: no sync.
-    data_wait, asked = 0.0, time.perf_counter()
-    first_bad = torch.full((), NO_BAD_STEP, dtype=torch.int64, device=device)
+    `sums_so_far` over all ranks: a training step per batch, its loss and accuracy tallied,
+    and every CHECK_EVERY optimizer steps a look at the tally (EpochTally.look)."""
+    set_train_mode(training.model)
+    tally = EpochTally(ctx, sums_so_far)
+    steps = Accumulation(training.accum_steps, steps_done + len(loader), (epoch - 1) * training.steps_per_epoch)
     # Bars on rank 0 only, and only on a terminal (disable=None): logs stay free of them.
     bar = tqdm(loader, desc=f"epoch {epoch}/{epochs}", disable=None if ctx.is_main else True, leave=False,
                dynamic_ncols=True)
-    steps = steps_done + len(loader)  # batches in the whole epoch
-    steps_before = (epoch - 1) * training.steps_per_epoch  # optimizer steps of the epochs before
-    for step, (images, labels) in enumerate(bar, start=steps_done):
-        data_wait += time.perf_counter() - asked
-        images = placed.input(images)
-        labels = labels.to(device, non_blocking=True)
-        optimizer_step = steps_before + step // k
-        closes = (step + 1) % k == 0 or step + 1 == steps  # the last batch of an optimizer step
-        set_lr(training.optimizer, training.schedule(optimizer_step))
-        inputs, targets = mixed(training, images, labels, steps_before * k + step)
-        # Only the batch that closes an optimizer step all-reduces the gradients (DDP's no_sync).
-        with contextlib.nullcontext() if closes or not ctx.distributed else model.no_sync():
-            with torch.autocast(device.type, dtype=placed.amp_dtype, enabled=placed.amp_dtype is not None):
-                logits = model(inputs)
-                loss = training.criterion(logits, targets)
-            # The mean over the step's batches (the epoch's last step may have fewer than k).
-            training.scaler.scale(loss / min(k, steps - step // k * k)).backward()
-        if closes:
-            apply_gradients(training, optimizer_step + 1)
-
-        loss = loss.detach()
-        n = labels.numel()
-        # The count is known on the host; putting it in a device tensor every step would be a copy to the GPU.
-        sums[:2] += torch.stack([loss.double() * n, (logits.argmax(1) == labels).sum().double()])
-        images_seen += n
-        # Remember the first non-finite batch on the device; no sync here.
-        first_bad = torch.where(~torch.isfinite(loss) & (first_bad == NO_BAD_STEP), step + 1, first_bad)
-        if closes and ((step // k + 1) % CHECK_EVERY == 0 or step + 1 == steps):
-            stop = torch.tensor(-1 if training.stop_requested() else 0, device=device)
-            bad, stopping = all_reduce_min(torch.stack([first_bad, stop]), ctx).tolist()  # one collective
-            if bad != NO_BAD_STEP:
-                raise TrainingDiverged(
-                    f"the loss became NaN or infinite at epoch {epoch}, step {bad} of {steps}: "
-                    "lower --lr, or check the data"
-                )
-            if stopping < 0:
-                sums[2] += images_seen
-                raise StoppedInEpoch(step + 1, all_reduce_sum(sums, ctx).tolist())
-            if ctx.is_main:
-                loss_sum, correct, before = sums.tolist()
-                bar.set_postfix(loss=f"{loss_sum / (before + images_seen):.4f}",
-                                acc=f"{correct / (before + images_seen):.3f}",
-                                lr=f"{training.optimizer.param_groups[0]['lr']:.2e}", refresh=False)
-        asked = time.perf_counter()
+    for batch, (images, labels) in enumerate(tally.waited(bar), start=steps_done):
+        at = steps.place(batch)
+        loss, logits, labels = train_step(training, images, labels, at, ctx)
+        tally.add(loss, logits, labels, batch)
+        if at.look:
+            tally.look(training, epoch, batch, steps.batches, bar)
     bar.close()
-    sums[2] += images_seen  # once per epoch
-    loss_sum, correct, count, waits = all_reduce_sum(torch.cat([sums, sums.new_tensor([data_wait])]), ctx).tolist()
-    # epoch_images: what the whole epoch trained on, over all ranks; train_images: what this call
-    # trained on (a resumed epoch's rest), for the images/s figure
-    return {"train_loss": loss_sum / count, "train_acc": correct / count, "epoch_images": int(count),
-            "train_images": int(count - sums_so_far[2]), "data_wait_seconds": waits / ctx.world_size}
+    return tally.reduced()
+
+
+def train_step(training: Training, images: torch.Tensor, labels: torch.Tensor, at: StepPlace,
+               ctx: DistContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batch: forward, backward, and on the batch that closes an optimizer step the step
+    itself. DDP all-reduces the gradients during that batch's backward pass; the batches
+    before it in the step (--accum-steps) add theirs up locally (no_sync). The loss, the
+    logits and the labels, on the device."""
+    model, placed = training.model, training.placed
+    images = placed.input(images)
+    labels = labels.to(ctx.device, non_blocking=True)
+    set_lr(training.optimizer, training.schedule(at.optimizer_step))
+    inputs, targets = mixed(training, images, labels, at.batch_in_run)
+    with contextlib.nullcontext() if at.closes or not ctx.distributed else model.no_sync():
+        with torch.autocast(ctx.device.type, dtype=placed.amp_dtype, enabled=placed.amp_dtype is not None):
+            logits = model(inputs)
+            loss = training.criterion(logits, targets)
+        training.scaler.scale(loss / at.batches_in_step).backward()  # the step takes the mean of its batches
+    if at.closes:
+        apply_gradients(training, at.optimizer_step + 1)
+    return loss.detach(), logits, labels
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlace:
+    """Where a batch of an epoch falls among the run's optimizer steps."""
+
+    optimizer_step: int  # the run's optimizer steps before this batch's: the schedule's step
+    closes: bool  # the last batch of its optimizer step: it all-reduces, and the step follows it
+    batches_in_step: int  # --accum-steps, or fewer in an epoch's last step
+    batch_in_run: int  # the run's batches before this one: MixUp's and CutMix's draws follow it
+    look: bool  # the tally is looked at after this batch (EpochTally.look)
+
+
+class Accumulation:
+    """--accum-steps' arithmetic over one epoch of `batches` batches: every `k` batches make
+    one optimizer step, and the epoch's last step takes the batches that are left."""
+
+    def __init__(self, k: int, batches: int, steps_before: int):
+        self.k, self.batches, self.steps_before = k, batches, steps_before  # steps_before: the earlier epochs' steps
+
+    def place(self, batch: int) -> StepPlace:
+        k, in_epoch = self.k, batch // self.k
+        closes = (batch + 1) % k == 0 or batch + 1 == self.batches
+        return StepPlace(self.steps_before + in_epoch, closes, min(k, self.batches - in_epoch * k),
+                         self.steps_before * k + batch,
+                         closes and ((in_epoch + 1) % CHECK_EVERY == 0 or batch + 1 == self.batches))
+
+
+class EpochTally:
+    """An epoch's loss and accuracy as running sums on the device (loss x images, correct),
+    the images counted on the host, the first batch whose loss was not finite, and the
+    seconds the loop stood waiting for data. Nothing here makes the host wait for the device
+    but `look` and `reduced`, each one collective."""
+
+    def __init__(self, ctx: DistContext, sums_so_far: Sequence[float]):
+        self.ctx = ctx
+        self.before = sums_so_far[2]  # images of a resumed epoch's part before the stop
+        # What earlier steps summed to is counted once, on rank 0.
+        self.sums = torch.tensor(sums_so_far if ctx.is_main else (0.0, 0.0, 0.0), dtype=torch.float64,
+                                 device=ctx.device)
+        self.images = 0
+        self.first_bad = torch.full((), NO_BAD_STEP, dtype=torch.int64, device=ctx.device)
+        self.data_wait = 0.0
+
+    def waited(self, batches: Iterable) -> Iterator:
+        """`batches`, timing how long each was waited for: on a GPU, time it may have starved
+        (the host otherwise runs ahead of the device). Measured on the host: no sync."""
+        asked = time.perf_counter()
+        for item in batches:
+            self.data_wait += time.perf_counter() - asked
+            yield item
+            asked = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, batch: int) -> None:
+        n = labels.numel()  # known on the host: a device tensor every step would be a copy to the GPU
+        self.sums[:2] += torch.stack([loss.double() * n, (logits.argmax(1) == labels).sum().double()])
+        self.images += n
+        # Remember the first non-finite batch on the device; no sync here.
+        self.first_bad = torch.where(~torch.isfinite(loss) & (self.first_bad == NO_BAD_STEP), batch + 1, self.first_bad)
+
+    def look(self, training: Training, epoch: int, batch: int, batches: int, bar: tqdm) -> None:
+        """One small collective: a non-finite loss on any rank ends the run (TrainingDiverged),
+        and a stop asked of any rank stops every rank here (StoppedInEpoch)."""
+        stop = torch.tensor(-1 if training.stop_requested() else 0, device=self.ctx.device)
+        bad, stopping = all_reduce_min(torch.stack([self.first_bad, stop]), self.ctx).tolist()
+        if bad != NO_BAD_STEP:
+            raise TrainingDiverged(f"the loss became NaN or infinite at epoch {epoch}, step {bad} of {batches}: "
+                                   "lower --lr, or check the data")
+        if stopping < 0:
+            self.sums[2] += self.images
+            raise StoppedInEpoch(batch + 1, all_reduce_sum(self.sums, self.ctx).tolist())
+        if self.ctx.is_main:
+            loss_sum, correct, before = self.sums.tolist()
+            bar.set_postfix(loss=f"{loss_sum / (before + self.images):.4f}",
+                            acc=f"{correct / (before + self.images):.3f}",
+                            lr=f"{training.optimizer.param_groups[0]['lr']:.2e}", refresh=False)
+
+    def reduced(self) -> dict[str, float]:
+        """The epoch's metrics over all ranks, in one all-reduce. epoch_images: what the whole
+        epoch trained on; train_images: what this call trained on (a resumed epoch's rest),
+        for the images/s figure."""
+        self.sums[2] += self.images
+        loss_sum, correct, count, waits = all_reduce_sum(torch.cat([self.sums, self.sums.new_tensor([self.data_wait])]),
+                                                         self.ctx).tolist()
+        return {"train_loss": loss_sum / count, "train_acc": correct / count, "epoch_images": int(count),
+                "train_images": int(count - self.before), "data_wait_seconds": waits / self.ctx.world_size}
 
 
 def apply_gradients(training: Training, optimizer_steps: int) -> None:

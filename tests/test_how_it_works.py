@@ -567,7 +567,7 @@ def test_readme_links_the_page_on_its_first_screen():
       "      build_model()               multi_train_utils/run.py                on a thread of its own, beside:\n"
       "        create_model()            model.py\n"), "map: build_model() does not call create_model()"),
     # A skeleton call put in a function that does not make it.
-    (("| `torch.nn.parallel.DistributedDataParallel.no_sync()` | `train_one_epoch()`",
+    (("| `torch.nn.parallel.DistributedDataParallel.no_sync()` | `train_step()`",
       "| `torch.nn.parallel.DistributedDataParallel.no_sync()` | `apply_gradients()`"),
      "skeleton: `torch.nn.parallel.DistributedDataParallel.no_sync()` is not called in `apply_gradients()`"),
     (("`EpochPasses.train()` in `multi_train_utils/loaders.py`", "`train_or_stop()` in `multi_train_utils/run.py`"),
