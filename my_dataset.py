@@ -285,9 +285,8 @@ class CropDraws(Dataset):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(image_seed(self.seed, epoch, index))
             top, left, height, width = RandomResizedCrop.get_params(frame, [self.crop_scale, 1.0], list(CROP_RATIO))
-            flip = torch.rand(1).item() < 0.5  # v2.RandomHorizontalFlip's draw: flip when below p
-        if self.flip == "alternate":
-            flip = alternate_flip(self.seed, epoch, index)
+            # v2.RandomHorizontalFlip's draw (flip when below p); --flip alternate draws nothing here
+            flip = torch.rand(1).item() < 0.5 if self.flip == "random" else alternate_flip(self.seed, epoch, index)
         return torch.tensor([index, top, left, height, width, int(flip)]), self.labels[index]
 
 
