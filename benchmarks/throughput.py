@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
@@ -24,18 +25,17 @@ from benchmarks.instruments import MemorySampler, Run, StepTimer, data_of_size, 
 from benchmarks.ours_recipe import OURS_OPTIONS, SAME_SYNTHETIC_AS_OURS, missing_option, ours_plan
 from benchmarks.seed_recipe import seed_loader, seed_model_and_optimizer, seed_train_one_epoch, seed_transforms
 from benchmarks.throughput_report import plot_throughput, summarise, throughput_table
-from model import model_for
+from model import convert_sync_batchnorm, model_for
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import (
     DistContext,
     gather_objects,
-    host_store,
-    keep_gloo_on_loopback,
     setup_process_group,
     setup_single,
     stop,
     teardown,
 )
+from multi_train_utils.rendezvous import host_store, keep_gloo_on_loopback
 from multi_train_utils.loaders import build_loaders, readable_split
 from multi_train_utils.train_eval_utils import build_training, place_model, train_one_epoch
 from utils import DataSplit, UserError, exit_on_error
@@ -99,13 +99,17 @@ def build_trainer(job: Job, ctx: DistContext) -> Trainer:
         return Trainer(lambda batches: seed_train_one_epoch(model, optimizer, batches, ctx, 1), torch.contiguous_format,
                        loader, sampler.set_epoch if sampler else _no_epoch)
 
-    # Ours, assembled by the same functions as multi_train_utils.run.run.
+    # Ours, assembled as the launchers assemble it.
     loader = build_loaders(split, job.plan, ctx)[0] if real else None
     torch.manual_seed(args.seed)
     model = model_for(args, len(split.class_names))
     placed = place_model(model, args, ctx.device)
+    if args.sync_bn and ctx.distributed:
+        placed = placed.with_module(convert_sync_batchnorm(placed.module, ctx.device))
+    wrapped = DDP(placed.module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None) \
+        if ctx.distributed else None
     batches_per_epoch = max(1, len(split.train) // (args.batch_size * ctx.world_size))
-    training = build_training(placed, args, ctx, batches_per_epoch)
+    training = build_training(placed, args, ctx, batches_per_epoch, wrapped)
     return Trainer(lambda batches: train_one_epoch(training, batches, ctx, 1, 1), placed.memory_format, loader,
                    loader.sampler.set_epoch if loader else _no_epoch)
 

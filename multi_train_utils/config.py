@@ -11,7 +11,9 @@ from pathlib import Path
 
 from multi_train_utils.budget import BUDGET_MOST_EPOCHS, DEFAULT_EPOCHS, budget_seconds
 from multi_train_utils.checkpoint import load_checkpoint, read_state_dict
-from multi_train_utils.distributed_utils import parse_device, parse_dist_url
+from multi_train_utils.distributed_utils import DistContext, parse_device
+from multi_train_utils.rendezvous import parse_dist_url
+from multi_train_utils.schedule import global_batch, peak_lr
 from model import DEFAULT_MODEL, check_model_name
 from my_dataset import AUTO_AUGMENT, CROP_SCALE
 from utils import DataSplit, Sample, UserError, download_flower_photos, list_images
@@ -277,6 +279,19 @@ def check_recipe(args: argparse.Namespace) -> None:
 
 def _quiet(_: str) -> None:
     pass
+
+
+def announce(plan: Plan, split: DataSplit, output_dir: Path, ctx: DistContext) -> None:
+    """The configuration, printed once, and what it amounts to on this many processes."""
+    args = plan.args
+    batch = global_batch(args, ctx)
+    accumulated = f" ({args.accum_steps} batches per step)" if args.accum_steps > 1 else ""
+    ctx.print0(f"config: {vars(args)}")
+    ctx.print0(split_summary(split))
+    ctx.print0(
+        f"{plan.launcher}: {ctx.world_size} process(es) on {ctx.device.type}, global batch {batch}{accumulated}, "
+        f"peak lr {peak_lr(args, ctx):.4g} (= {args.lr} x {batch}/256), output in {output_dir}"
+    )
 
 
 def split_summary(split: DataSplit) -> str:

@@ -1,48 +1,27 @@
-"""How each process gets its data: the readable split, the shared-memory image cache, the
-training images on the device (--device-augment), and the training and validation loaders with
-their distributed samplers."""
+"""How each process gets its data: the readable split (or a resumed run's recorded one), the
+training and validation loaders with their samplers (DistributedSampler for training, an
+unpadded shard for validation), and each epoch's passes begun ahead of their use."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import mmap
 import os
-import secrets
-import shutil
-import socket
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler
-from torchvision.transforms.v2.functional import resize
 
 from multi_train_utils.config import Plan
-from multi_train_utils.distributed_utils import (
-    DistContext,
-    ShardSampler,
-    all_reduce_sum,
-    barrier,
-    broadcast_object,
-    die_with_parent,
-    gather_objects,
-)
+from multi_train_utils.device_augment import DeviceAugmentedLoader, device_crops
+from multi_train_utils.distributed_utils import DistContext, ShardSampler, broadcast_object, die_with_parent, gather_objects
+from multi_train_utils.image_cache import shared_cache
 from my_dataset import (
     CropDraws,
-    DeviceCrops,
     EpochSampler,
     MyDataSet,
-    PixelCache,
-    SizeSchedule,
     build_transform,
-    cache_short_side,
-    decode,
     default_workers,
     eval_img_size,
     eval_resize,
@@ -60,7 +39,6 @@ from utils import (
     file_stamp,
     find_unreadable,
     load_recorded_split,
-    load_rgb,
     split_samples,
 )
 
@@ -185,7 +163,10 @@ def quiet_dropped_handover(hook: Callable[..., None]) -> Callable[..., None]:
 
 
 def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataLoader | DeviceAugmentedLoader, DataLoader]:
-    """The training loader (a DeviceAugmentedLoader under --device-augment) and the validation loader."""
+    """The training loader, whose DistributedSampler gives each rank its own 1/world_size of the
+    training images, reshuffled every epoch by its set_epoch (the loader is a
+    DeviceAugmentedLoader under --device-augment); and the validation loader, each rank a
+    disjoint shard without padding, so that every image is evaluated exactly once."""
     args = plan.args
     on_device = args.device_augment and not args.eval_only
     workers = default_workers(ctx.device, ctx.local_world_size) if args.workers is None else args.workers
@@ -201,14 +182,7 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
         multiprocessing_context="fork" if workers > 0 and sys.platform == "linux" else None,
     )
     val_size = eval_img_size(vars(args))
-    cache = None
-    if args.cache:
-        started = time.perf_counter()
-        cache = SharedImageCache([p for p, _ in split.train + split.val],
-                                 cache_short_side(vars(args)), ctx)
-        ctx.print0(f"cache: {len(cache.shapes)} images, {cache.nbytes / 2**20:.0f} MiB of shared memory, one copy "
-                   f"for the {ctx.local_world_size} process(es) on this machine, filled in "
-                   f"{time.perf_counter() - started:.1f}s")
+    cache = shared_cache(split, vars(args), ctx) if args.cache else None
     if on_device:
         crops = device_crops(split, eval_resize(args.img_size), ctx, cache)
         train_set = CropDraws(split.train, crops.frames.tolist(), args.seed, args.crop_scale, args.flip)
@@ -216,6 +190,7 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
         train_set = MyDataSet(split.train, train_transforms(vars(args)), args.img_size, args.seed, cache)
     val_set = MyDataSet(split.val, build_transform(val_size, train=False), eval_resize(val_size), cache=cache)
     # Every process, the single one included, draws from a DistributedSampler: one code path.
+    # EpochSampler passes the epoch on with each index, for the augmentation's seeding.
     train_sampler = EpochSampler(
         DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
     )
@@ -227,39 +202,6 @@ def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataL
     if on_device:
         return DeviceAugmentedLoader(train_loader, crops, size_schedule(vars(args))), val_loader
     return train_loader, val_loader
-
-
-def recalibration_batches(split: DataSplit, args: argparse.Namespace) -> list[torch.Tensor]:
-    """--bn-recalibrate's images: N training images spread evenly over the split (every class
-    in its share), prepared as validation images are, in batches of --batch-size; uint8, a
-    few MiB. The same on every rank."""
-    n = min(args.bn_recalibrate, len(split.train))
-    size = eval_img_size(vars(args))
-    chosen = MyDataSet([split.train[i * len(split.train) // n] for i in range(n)],
-                       build_transform(size, train=False), eval_resize(size))
-    images = torch.stack([chosen[i][0] for i in range(n)])
-    return list(images.split(args.batch_size))
-
-
-class DeviceAugmentedLoader:
-    """The training loader of --device-augment: its workers draw each image's crop and flip
-    (CropDraws), and each batch is cut from the pixels on the device, all images in one call
-    (DeviceCrops), at the epoch's size. Iterated, sized and set to an epoch like a DataLoader;
-    its batches are normalised float images already on the device."""
-
-    def __init__(self, draws: DataLoader, crops: DeviceCrops, sizes: SizeSchedule):
-        self.draws = draws
-        self.crops = crops
-        self.sizes = sizes
-        self.sampler: EpochSampler = draws.sampler
-
-    def __len__(self) -> int:
-        return len(self.draws)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        size = (self.sampler.sizes or self.sizes)(self.sampler.epoch or 1)
-        draws = iter(self.draws)  # now, not at the first batch: the workers start drawing at once
-        return ((self.crops(batch, size), labels) for batch, labels in draws)
 
 
 class StartedPass:
@@ -297,18 +239,22 @@ class EpochPasses:
         self._ahead: tuple[int, StartedPass] | None = None  # (epoch, its training pass)
         self._val: StartedPass | None = None
 
-    def train(self, epoch: int, skip: int = 0) -> StartedPass:
-        """Epoch `epoch`'s training pass after its first `skip` samples: begun ahead, or now."""
+    def train(self, epoch: int) -> StartedPass:
+        """Epoch `epoch`'s training pass, as its sampler is set (set_epoch): the one begun ahead, or now."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == epoch and skip == 0:
+        if ahead is not None and ahead[0] == epoch and self.train_loader.sampler.skip == 0:
             return ahead[1]
-        self.train_loader.sampler.set_epoch(epoch, skip=skip)
         return self._train_pass()
 
-    def begin_train(self, epoch: int) -> None:
-        """Begin epoch `epoch`'s training pass now (its crop sizes must be fixed by then)."""
-        self.train_loader.sampler.set_epoch(epoch)
-        self._ahead = epoch, self._train_pass()
+    def begin_evaluation(self, next_epoch: int | None) -> None:
+        """Begin the validation pass now, unless begun already; then, when another epoch is
+        sure to follow, its training pass behind it: its sampler is set to it early (its crop
+        sizes must be fixed by then). The first validation pass forks the loader's workers,
+        best done while no other loader is handing out batches."""
+        self.begin_val()
+        if next_epoch is not None:
+            self.train_loader.sampler.set_epoch(next_epoch)
+            self._ahead = next_epoch, self._train_pass()
 
     def _train_pass(self) -> StartedPass:
         return StartedPass(self.train_loader, then=self.begin_val if self.val_ahead else None)
@@ -322,136 +268,3 @@ class EpochPasses:
         """A validation pass: the one begun before, or a new one."""
         begun, self._val = self._val, None
         return begun or StartedPass(self.val_loader)
-
-
-def device_crops(split: DataSplit, side: int, ctx: DistContext, cache: PixelCache | None) -> DeviceCrops:
-    """The training images as DeviceCrops: each `side` px square, on this process's device.
-    Each process decodes 1/world_size of them (and reads their frames), the others' places left
-    at zero, and a sum over the processes fills in the rest: every process ends with the same
-    pixels, each decoded once."""
-    started = time.perf_counter()
-    paths = [p for p, _ in split.train]
-    nbytes = len(paths) * 3 * side * side
-    check_device_room(nbytes, ctx)
-    pixels = torch.zeros(len(paths), 3, side, side, dtype=torch.uint8)
-    frames = torch.zeros(len(paths), 2, dtype=torch.int64)
-
-    def fill(i: int) -> None:
-        try:
-            picture = cache.get(paths[i]) if cache is not None else decode(paths[i], side)
-        except Exception as e:  # unreadable files were left out at start-up; this one changed since
-            raise RuntimeError(f"cannot decode {paths[i]}: {e}") from e
-        pixels[i] = resize(picture, [side, side], antialias=True)
-        frames[i] = torch.tensor(_picture_shape(paths[i], side))  # the frame --cache's pixels have
-
-    with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:  # decoding releases the GIL
-        list(pool.map(fill, range(ctx.rank, len(paths), ctx.world_size)))
-    # One process filled each image's place, the others left it 0: the sums are the images.
-    pixels = all_reduce_sum(pixels.to(ctx.device), ctx)
-    frames = all_reduce_sum(frames.to(ctx.device), ctx)
-    ctx.print0(f"device augment: {len(paths)} training images, {nbytes / 2**20:.0f} MiB on {ctx.device} per "
-               f"process, decoded in {time.perf_counter() - started:.1f}s")
-    return DeviceCrops(pixels, frames)
-
-
-def check_device_room(nbytes: int, ctx: DistContext) -> None:
-    free = torch.cuda.mem_get_info(ctx.device)[0] if ctx.device.type == "cuda" else memory_available()
-    problem = (
-        f"--device-augment keeps the training images on {ctx.device}: {nbytes / 2**30:.2f} GiB, but only "
-        f"{free / 2**30:.2f} GiB is free: train without it, or with a smaller --img-size"
-    )
-    # The rest is the model's, its activations' and the batch's.
-    raise_together(problem if nbytes > 0.5 * free else None, ctx)
-
-
-class SharedImageCache:
-    """Every image decoded once, resized to a short side of `short_side`, kept as uint8 RGB in
-    one shared-memory file per machine.
-
-    Local rank 0 creates the file in /dev/shm, every process on the machine maps it, and the
-    name is removed before the (slow) decoding starts: the memory lives exactly as long as the
-    processes mapping it, so a crash leaves nothing behind. Data-loader workers inherit the
-    mapping when they fork, so there is one copy per machine, not one per rank or per worker.
-    """
-
-    def __init__(self, paths: Sequence[str], short_side: int, ctx: DistContext):
-        if sys.platform != "linux":
-            raise UserError("--cache needs Linux (a /dev/shm file shared with forked loader workers)")
-        self.index = {p: i for i, p in enumerate(paths)}
-        self.shapes = [_picture_shape(p, short_side) for p in paths]  # header reads only
-        sizes = [h * w * 3 for h, w in self.shapes]
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.nbytes = int(self.offsets[-1])
-        check_cache_room(self.nbytes, ctx)
-        token = broadcast_object(secrets.token_hex(8) if ctx.is_main else None, ctx)
-        path = f"/dev/shm/imgcache-{token}-{ctx.rank - ctx.local_rank}"  # one per machine, even two "machines" on one
-        creator = ctx.local_rank == 0
-        if creator:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, max(1, self.nbytes))
-        barrier(ctx)
-        if not creator:
-            fd = os.open(path, os.O_RDWR)
-        self._map = mmap.mmap(fd, max(1, self.nbytes))
-        os.close(fd)
-        barrier(ctx)
-        if creator:
-            os.unlink(path)
-        self.pixels = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes)
-        mine = range(ctx.local_rank, len(paths), ctx.local_world_size)
-        with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:  # PIL releases the GIL
-            list(pool.map(lambda i: self._fill(i, paths[i], short_side), mine))
-        barrier(ctx)
-
-    def _fill(self, i: int, path: str, short_side: int) -> None:
-        h, w = self.shapes[i]
-        img = load_rgb(path, min_size=short_side).resize((w, h), Image.BILINEAR, reducing_gap=3.0)
-        self.pixels[self.offsets[i] : self.offsets[i + 1]] = np.asarray(img).reshape(-1)
-
-    def get(self, path: str) -> torch.Tensor:
-        """The cached picture as a uint8 CHW tensor viewing the shared memory (no copy)."""
-        i = self.index[path]
-        h, w = self.shapes[i]
-        hwc = self.pixels[self.offsets[i] : self.offsets[i + 1]].reshape(h, w, 3)
-        return torch.from_numpy(hwc).permute(2, 0, 1)
-
-
-def _picture_shape(path: str, short_side: int) -> tuple[int, int]:
-    """(height, width) of the upright picture, resized to a short side of `short_side`."""
-    with Image.open(path) as img:
-        w, h = img.size
-        if img.getexif().get(0x0112) in (5, 6, 7, 8):  # EXIF says: rotated by 90 degrees
-            w, h = h, w
-    scale = short_side / min(w, h)
-    return max(1, round(h * scale)), max(1, round(w * scale))
-
-
-def check_cache_room(nbytes: int, ctx: DistContext) -> None:
-    raise_together(cache_problem(nbytes, shutil.disk_usage("/dev/shm").free, memory_available()), ctx)
-
-
-def cache_problem(nbytes: int, shm_free: int, available: int) -> str | None:
-    """Why a cache of `nbytes` does not fit a machine with this much free /dev/shm and RAM, or None."""
-    room = min(shm_free, available)
-    if nbytes <= 0.8 * room:  # leave room for the model, the loaders and the rest of the machine
-        return None
-    return (f"--cache needs {nbytes / 2**30:.2f} GiB of shared memory, but only {room / 2**30:.2f} GiB is "
-            "available (/dev/shm or free RAM): train without --cache, or with a smaller --img-size")
-
-
-def raise_together(problem: str | None, ctx: DistContext) -> None:
-    """Raise `problem` on every rank as soon as one rank has it. Machines differ in
-    free memory: a rank that raised alone would leave the others waiting in their next collective
-    until --dist-timeout. Costs one gather, so the ranks agree before they part."""
-    found = gather_objects((socket.gethostname(), problem) if problem else None, ctx)
-    failing = [(rank, entry) for rank, entry in enumerate(found) if entry]
-    if not failing:
-        return
-    rank, (host, first) = failing[0]
-    where = f"rank {rank} on {host}" + (f" (and {len(failing) - 1} other rank(s))" if len(failing) > 1 else "")
-    raise UserError(f"{where}: {first}" if ctx.distributed else first)
-
-
-def memory_available() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))

@@ -1,5 +1,6 @@
 """The evaluation report: per-class precision, recall and F1, top-k accuracy, the confusion
-matrix and the most confidently wrong images, exact at any world size.
+matrix and the most confidently wrong images, exact at any world size; made at the end of a run
+for best.pth's weights, and by --eval-only.
 
 Each rank counts its shard of the validation split; the counts are all-reduced once, and the
 few mistakes each rank keeps are gathered once. report.json holds everything, so plots.py can
@@ -7,14 +8,23 @@ redraw the pictures from a finished run; confusion_matrix.csv is the matrix for 
 """
 from __future__ import annotations
 
+import argparse
 import csv
+import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.data import DataLoader
 
-from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, gather_objects
+from multi_train_utils.checkpoint import load_checkpoint, shipped_weights
+from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, barrier, gather_objects
+from multi_train_utils.plotter import Plotter
+from multi_train_utils.recalibrate import recalibration
+from multi_train_utils.run_folder import BEST
+from multi_train_utils.train_eval_utils import Outputs, PlacedModel, validation_metrics, validation_outputs
 from utils import REPORT_FILE, DataSplit, write_json
 
 MAX_MISTAKES = 16
@@ -90,3 +100,66 @@ def report_line(report: dict[str, Any]) -> str:
     top = ", ".join(f"top-{k} {v:.4f}" for k, v in report["top_k_accuracy"].items())
     return (f"report on {report['weights']}: {report['images']} images, accuracy {report['accuracy']:.4f}, "
             f"macro F1 {report['macro_f1']:.4f}, {top}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BestEpoch:
+    """The best epoch of this run so far, and this rank's validation outputs of the weights
+    best.pth ships (the model's or the average's): the final report is made from them."""
+
+    epoch: int
+    better: str  # "model" or "ema"
+    outputs: Outputs
+
+
+def report_of_best(best: BestEpoch | None, placed: PlacedModel, val_loader: DataLoader, split: DataSplit,
+                   output_dir: Path, ctx: DistContext) -> None:
+    """report.json for best.pth's weights, from the outputs its epoch's evaluation kept (no
+    second pass). When that epoch ran before a resume, best.pth is loaded and evaluated again."""
+    if best is not None:
+        final_report(best.outputs, split, best_source(output_dir / BEST, best.epoch, best.better), output_dir, ctx)
+        return
+    source = use_best_weights(output_dir, placed.module, ctx)
+    final_report(validation_outputs(placed, val_loader), split, source, output_dir, ctx)
+
+
+def best_source(path: Path, epoch: int, better: str) -> str:
+    return f"{path} (epoch {epoch}{' weight average' if better == 'ema' else ''})"
+
+
+def use_best_weights(output_dir: Path, model: nn.Module, ctx: DistContext) -> str:
+    """Load best.pth's weights into `model` on every rank (the model a user ships); say which."""
+    barrier(ctx)  # rank 0 may still be writing it
+    best = output_dir / BEST
+    if not best.is_file():
+        return "the final weights"
+    checkpoint = load_checkpoint(best, mmap=True)
+    model.load_state_dict(shipped_weights(checkpoint))
+    return best_source(best, checkpoint["epoch"], checkpoint.get("better", "model"))
+
+
+def final_report(outputs: Outputs, split: DataSplit, source: str, output_dir: Path, ctx: DistContext) -> None:
+    """report.json and confusion_matrix.csv for the weights that gave `outputs`, which came from `source`."""
+    report = evaluation_report(outputs, ctx, split, source)
+    ctx.print0(report_line(report))
+    if ctx.is_main:
+        write_report(output_dir, report)
+
+
+def evaluate_only(placed: PlacedModel, val_loader: DataLoader, split: DataSplit, source: str, output_dir: Path,
+                  plotter: Plotter | None, args: argparse.Namespace, ctx: DistContext) -> None:
+    """--eval-only: one pass over the validation set gives eval.json and the report. With
+    --bn-recalibrate the statistics are recomputed first (a checkpoint of a run that did so
+    holds them already: the same ones come out)."""
+    recalibrate = recalibration(split, args)
+    if recalibrate:
+        placed = recalibrate(placed, ctx)
+    outputs = validation_outputs(placed, val_loader)
+    result = validation_metrics(outputs, ctx)
+    ctx.print0(f"eval {source}: acc {result['val_acc']:.4f} ({result['val_correct']}/{result['val_total']}), "
+               f"loss {result['val_loss']:.4f}")
+    if ctx.is_main:
+        write_json(output_dir / "eval.json", {**result, "weights": source, "world_size": ctx.world_size})
+    final_report(outputs, split, source, output_dir, ctx)
+    if plotter:
+        plotter.draw_report()

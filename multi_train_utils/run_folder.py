@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,11 +17,13 @@ from typing import Any
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from multi_train_utils.checkpoint import copy_atomic, save_atomic, snapshot
+from multi_train_utils.budget import EpochTime
+from multi_train_utils.checkpoint import Progress, copy_atomic, make_checkpoint, save_atomic, snapshot
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import DistContext, broadcast_object
 from multi_train_utils.loaders import RunData
-from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, UserError, read_json, save_split, write_json
+from multi_train_utils.train_eval_utils import Evaluation, Training
+from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, DataSplit, UserError, read_json, save_split, write_json
 
 LAST, BEST = "last.pth", "best.pth"
 TENSORBOARD_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "train_images_per_sec")
@@ -45,16 +48,6 @@ def prepare_output_dir(plan: Plan, ctx: DistContext) -> Path:
     if error:
         raise UserError(error)
     return Path(path)
-
-
-def resolve_resume(plan: Plan, output_dir: Path, ctx: DistContext) -> str | None:
-    """The checkpoint to resume from: --resume PATH, or for `auto` the folder's last.pth if any."""
-    resume = plan.args.resume
-    if resume != "auto":
-        return resume
-    # Rank 0 decides, so every rank makes the same choice even if a file appears meanwhile.
-    found = (output_dir / LAST).is_file() if ctx.is_main else None
-    return str(output_dir / LAST) if broadcast_object(found, ctx) else None
 
 
 def write_run_files(output_dir: Path, plan: Plan, data: RunData, epochs_done: int, ctx: DistContext) -> None:
@@ -153,3 +146,42 @@ class EpochWriter:
         finally:
             self._thread.shutdown()
             self.tensorboard.close()
+
+
+def checkpoint_of(training: Training, progress: Progress, args: argparse.Namespace, split: DataSplit,
+                  ctx: DistContext, evaluated: Evaluation | None = None) -> dict[str, Any]:
+    """What the run has come to; `evaluated`: its last epoch's evaluation (none inside an epoch)."""
+    return make_checkpoint(training.placed.module, training.optimizer, training.scaler, progress, args,
+                           split.class_names, ctx.world_size, training.ema.module if training.ema else None,
+                           evaluated.better if evaluated else "model", evaluated.evaluated_bn if evaluated else None)
+
+
+def epoch_record(epoch: int, train: dict[str, float], evaluated: Evaluation, took: EpochTime, training: Training,
+                 split: DataSplit, ctx: DistContext) -> dict[str, Any]:
+    """One line of metrics.jsonl (its readers: plots.py and the benchmarks)."""
+    return {
+        "epoch": epoch,
+        "train_loss": train["train_loss"],
+        "train_acc": train["train_acc"],
+        "train_total": len(split.train),
+        "train_seen": train["epoch_images"],  # drawn, over all processes: see docs/exactness.md
+        **evaluated.val,
+        "lr": training.schedule(epoch * training.steps_per_epoch),  # where the epoch left the schedule
+        "epoch_seconds": took.train,
+        "eval_seconds": took.eval,
+        "train_images_per_sec": train["train_images"] / took.train,
+        "data_wait_seconds": train["data_wait_seconds"],  # mean over processes; part of epoch_seconds
+        "world_size": ctx.world_size,
+        "global_batch_size": training.global_batch,
+    }
+
+
+def epoch_line(record: dict[str, Any], epochs: int, is_best: bool) -> str:
+    return (
+        f"epoch {record['epoch']}/{epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "
+        f"val loss {record['val_loss']:.4f} acc {record['val_acc']:.4f} ({record['val_correct']}/{record['val_total']})"
+        + (f", average {record['ema_val_acc']:.4f}" if "ema_val_acc" in record else "")
+        + f" | {record['train_images_per_sec']:.1f} img/s, {record['epoch_seconds']:.1f}s "
+        f"({100 * record['data_wait_seconds'] / record['epoch_seconds']:.0f}% waiting for data)"
+        + (" *best*" if is_best else "")
+    )

@@ -1,11 +1,10 @@
-"""Training and evaluation: the model on its device, the optimizer and its learning-rate
-schedule, one training epoch, and exact evaluation. The run that strings them together is
-multi_train_utils/run.py."""
+"""Training and evaluation: the model built and put on its device, the optimizer and what a
+step uses, one training epoch (forward, backward, optimizer step), and exact evaluation. Each
+launcher strings them together in its own epoch loop."""
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import math
 import time
@@ -13,13 +12,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torchvision.transforms import v2
 from tqdm import tqdm
 
-from model import classifier, convert_sync_batchnorm, set_train_mode
-from multi_train_utils.budget import planned_epochs
+from model import classifier, freeze_backbone, model_for, set_train_mode
+from multi_train_utils.checkpoint import load_weights
 from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum, broadcast_buffers
+from multi_train_utils.ema import WeightAverage
+from multi_train_utils.schedule import Schedule, build_schedule, global_batch, peak_lr
 from my_dataset import normalize
 from utils import TrainingDiverged
 
@@ -41,6 +41,9 @@ class PlacedModel:
 
     def input(self, images: torch.Tensor) -> torch.Tensor:
         return model_input(images, self.device, self.memory_format)
+
+    def with_module(self, module: nn.Module) -> PlacedModel:
+        return dataclasses.replace(self, module=module)
 
     def eval_logits(self, images: torch.Tensor) -> torch.Tensor:
         """Logits of a loader batch, the model in eval mode."""
@@ -76,6 +79,22 @@ def autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if device.type == "cpu" and native else None
 
 
+def build_model(args: argparse.Namespace, num_classes: int, device: torch.device,
+                say: Callable[[str], None] = print) -> PlacedModel:
+    """The model with its initial weights (seeded, or --weights), on the device. `say` takes
+    its lines (the launchers keep them to print in order: this runs beside the data's start-up)."""
+    torch.manual_seed(args.seed)  # the same initial weights in every rerun (DDP then copies rank 0's to all)
+    model = model_for(args, num_classes)
+    if args.weights:
+        load_weights(model, args.weights, say, args.model)
+    if args.freeze_layers:
+        freeze_backbone(model)
+    placed = place_model(model, args, device)
+    precision = "fp32" if placed.amp_dtype is None else str(placed.amp_dtype).removeprefix("torch.") + " autocast"
+    say(f"precision: {precision}, memory format: {'channels_last' if args.channels_last else 'NCHW'}")
+    return placed
+
+
 def place_model(model: nn.Module, args: argparse.Namespace, device: torch.device) -> PlacedModel:
     """Move the model to the device in the memory format and precision that `args` ask for."""
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
@@ -83,51 +102,6 @@ def place_model(model: nn.Module, args: argparse.Namespace, device: torch.device
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input sizes: autotuned kernels pay off from step 2
     return PlacedModel(model, device, memory_format, autocast_dtype(args.amp, device), args.tta)
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """Linear warm-up to the peak, held there until `decay_from` (under a budget, the end of
-    epoch 1: the decay's length is not known before), then a decay to `final_fraction` of the
-    peak by the last step: a cosine, or a straight line. The learning rate is a function of the
-    step alone: a resumed run at any world size computes it afresh."""
-
-    peak: float
-    total_steps: int
-    warmup_steps: int
-    final_fraction: float
-    decay: str = "cosine"
-    decay_from: int = 0
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.peak * (step + 1) / (self.warmup_steps + 1)
-        start = max(self.warmup_steps, self.decay_from)
-        progress = min(1.0, max(0, step - start) / max(1, self.total_steps - start))
-        falls = 1 - progress if self.decay == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
-        return self.peak * (self.final_fraction + (1 - self.final_fraction) * falls)
-
-
-def build_schedule(args: argparse.Namespace, peak: float, steps_per_epoch: int, epochs: int | None = None) -> Schedule:
-    """`epochs`: the count --time-budget fixed after epoch 1 (default --epochs, or 30). Epoch 1
-    runs before that count is known, so under a budget the decay starts at epoch 2 at the
-    earliest (a shorter warm-up holds the peak until then): epoch 1 is the same whatever the
-    count."""
-    total = max(1, (epochs or planned_epochs(args)) * steps_per_epoch)
-    warmup = round(args.warmup_epochs * steps_per_epoch)
-    if args.time_budget is None:
-        return Schedule(peak, total, min(total - 1, warmup), args.lrf, args.lr_decay)
-    return Schedule(peak, total, warmup, args.lrf, args.lr_decay, decay_from=steps_per_epoch)
-
-
-def global_batch(args: argparse.Namespace, ctx: DistContext) -> int:
-    """Images per optimizer step: the batch of every process, times the batches accumulated."""
-    return args.batch_size * ctx.world_size * args.accum_steps
-
-
-def peak_lr(args: argparse.Namespace, ctx: DistContext) -> float:
-    """The linear scaling rule: `--lr` is per 256 images of global batch."""
-    return args.lr * global_batch(args, ctx) / 256
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -143,32 +117,6 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.O
     # The loop sets the learning rate at every step. The fused kernel updates all parameters
     # in one pass; it exists for CPU and CUDA tensors.
     return torch.optim.SGD(groups, lr=0.0, momentum=args.momentum, nesterov=args.momentum > 0, fused=True)
-
-
-class WeightAverage:
-    """An exponential moving average of a model's weights and BatchNorm statistics, kept in
-    fp32 (autocast leaves the parameters in fp32) on the model's device.
-
-    The decay warms up as (1 + t) / (10 + t) after t optimizer steps (TensorFlow's
-    ExponentialMovingAverage with num_updates): a fixed decay would keep remembering the random
-    initial weights long after training has left them.
-    """
-
-    def __init__(self, module: nn.Module, decay: float):
-        self.module = copy.deepcopy(module).requires_grad_(False)
-        self.decay = decay
-        mine, theirs = self.module.state_dict(), module.state_dict()
-        self.pairs = [(mine[k], theirs[k]) for k in mine]  # views of the tensors: updated in place
-
-    @torch.no_grad()
-    def update(self, steps: int) -> None:
-        """Move towards the model's current weights, `steps` optimizer steps into the run."""
-        decay = min(self.decay, (1 + steps) / (10 + steps))
-        for mine, theirs in self.pairs:
-            if mine.is_floating_point():
-                mine.lerp_(theirs, 1 - decay)
-            else:
-                mine.copy_(theirs)  # BatchNorm's num_batches_tracked
 
 
 def build_mix(args: argparse.Namespace, model: nn.Module) -> Callable | None:
@@ -210,7 +158,7 @@ class Training:
     """Everything a training step uses, assembled once by `build_training`."""
 
     placed: PlacedModel
-    model: nn.Module  # as the loop calls it: in DDP and compiled where asked
+    model: nn.Module  # as the loop calls it: in DistributedDataParallel in a job, compiled where asked
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     criterion: nn.Module
@@ -224,17 +172,22 @@ class Training:
     accum_steps: int = 1  # batches per optimizer step
     stop_requested: Callable[[], bool] = never  # read every CHECK_EVERY steps; all ranks then stop
 
+    def until(self, stop_requested: Callable[[], bool]) -> Training:
+        """The same training, stopping every rank at the step after `stop_requested` turns true on any."""
+        return dataclasses.replace(self, stop_requested=stop_requested)
 
-def build_training(placed: PlacedModel, args: argparse.Namespace, ctx: DistContext,
-                   batches_per_epoch: int) -> Training:
-    """Wrap a placed model for training (SyncBatchNorm, DDP, compile) and build its optimizer,
-    schedule, loss scaler, loss, batch mixing and weight average, as every launcher and the
-    benchmarks train it. `batches_per_epoch`: the training loader's length in this process."""
-    if args.sync_bn and ctx.distributed:
-        placed = dataclasses.replace(placed, module=convert_sync_batchnorm(placed.module, ctx.device))
-    model = placed.module
-    if ctx.distributed:
-        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+
+def build_training(placed: PlacedModel, args: argparse.Namespace, ctx: DistContext, batches_per_epoch: int,
+                   model: nn.Module | None = None) -> Training:
+    """The optimizer (SGD with Nesterov momentum), the learning-rate schedule, the loss and its
+    scaler, and what was asked for beside them (MixUp/CutMix, clipping, the weight average),
+    as every launcher and the benchmarks train. `model`: what the loop calls, the model in
+    DistributedDataParallel in a job (the launcher wraps it); `placed.module` alone otherwise.
+    `batches_per_epoch`: the training loader's length in this process."""
+    if model is None:
+        if ctx.distributed:
+            raise ValueError("in a process group the loop calls the model in DistributedDataParallel: pass it")
+        model = placed.module
     if args.compile:
         model = torch.compile(model)  # checkpoints and evaluation use the uncompiled placed.module
     # Loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's range.
@@ -256,9 +209,11 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoch: int, epochs: int,
                     steps_done: int = 0, sums_so_far: Sequence[float] = (0.0, 0.0, 0.0)) -> dict[str, float]:
     """One pass over this rank's shard, or its rest after `steps_done` batches that summed to
-    `sums_so_far` over all ranks: a training step per batch, its loss and accuracy tallied,
-    and every CHECK_EVERY optimizer steps a look at the tally (EpochTally.look)."""
-    set_train_mode(training.model)
+    `sums_so_far` over all ranks: per batch forward, backward and, on the batch that closes an
+    optimizer step, the step itself; the loss and accuracy tallied on the device, looked at every
+    CHECK_EVERY steps (EpochTally.look), and summed over the ranks once, at the end."""
+    model, placed = training.model, training.placed
+    set_train_mode(model)
     tally = EpochTally(ctx, sums_so_far)
     steps = Accumulation(training.accum_steps, steps_done + len(loader), (epoch - 1) * training.steps_per_epoch)
     # Bars on rank 0 only, and only on a terminal (disable=None): logs stay free of them.
@@ -266,33 +221,23 @@ def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoc
                dynamic_ncols=True)
     for batch, (images, labels) in enumerate(tally.waited(bar), start=steps_done):
         at = steps.place(batch)
-        loss, logits, labels = train_step(training, images, labels, at, ctx)
-        tally.add(loss, logits, labels, batch)
+        images, labels = placed.input(images), labels.to(ctx.device, non_blocking=True)
+        set_lr(training.optimizer, training.schedule(at.optimizer_step))
+        inputs, targets = mixed(training, images, labels, at.batch_in_run)
+        # DDP all-reduces the gradients during the backward pass of the batch that closes an
+        # optimizer step; the batches before it (--accum-steps) add theirs up locally (no_sync).
+        with contextlib.nullcontext() if at.closes or not ctx.distributed else model.no_sync():
+            with torch.autocast(ctx.device.type, dtype=placed.amp_dtype, enabled=placed.amp_dtype is not None):
+                logits = model(inputs)
+                loss = training.criterion(logits, targets)
+            training.scaler.scale(loss / at.batches_in_step).backward()  # the step takes the mean of its batches
+        if at.closes:
+            apply_gradients(training, at.optimizer_step + 1)
+        tally.add(loss.detach(), logits, labels, batch)
         if at.look:
             tally.look(training, epoch, batch, steps.batches, bar)
     bar.close()
-    return tally.reduced()
-
-
-def train_step(training: Training, images: torch.Tensor, labels: torch.Tensor, at: StepPlace,
-               ctx: DistContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One batch: forward, backward, and on the batch that closes an optimizer step the step
-    itself. DDP all-reduces the gradients during that batch's backward pass; the batches
-    before it in the step (--accum-steps) add theirs up locally (no_sync). The loss, the
-    logits and the labels, on the device."""
-    model, placed = training.model, training.placed
-    images = placed.input(images)
-    labels = labels.to(ctx.device, non_blocking=True)
-    set_lr(training.optimizer, training.schedule(at.optimizer_step))
-    inputs, targets = mixed(training, images, labels, at.batch_in_run)
-    with contextlib.nullcontext() if at.closes or not ctx.distributed else model.no_sync():
-        with torch.autocast(ctx.device.type, dtype=placed.amp_dtype, enabled=placed.amp_dtype is not None):
-            logits = model(inputs)
-            loss = training.criterion(logits, targets)
-        training.scaler.scale(loss / at.batches_in_step).backward()  # the step takes the mean of its batches
-    if at.closes:
-        apply_gradients(training, at.optimizer_step + 1)
-    return loss.detach(), logits, labels
+    return tally.metrics(all_reduce_sum(tally.local_sums(), ctx))  # the epoch's one all-reduce
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +270,7 @@ class EpochTally:
     """An epoch's loss and accuracy as running sums on the device (loss x images, correct),
     the images counted on the host, the first batch whose loss was not finite, and the
     seconds the loop stood waiting for data. Nothing here makes the host wait for the device
-    but `look` and `reduced`, each one collective."""
+    but `look` (one small collective) and `metrics`."""
 
     def __init__(self, ctx: DistContext, sums_so_far: Sequence[float]):
         self.ctx = ctx
@@ -370,13 +315,16 @@ class EpochTally:
                             acc=f"{correct / (before + self.images):.3f}",
                             lr=f"{training.optimizer.param_groups[0]['lr']:.2e}", refresh=False)
 
-    def reduced(self) -> dict[str, float]:
-        """The epoch's metrics over all ranks, in one all-reduce. epoch_images: what the whole
-        epoch trained on; train_images: what this call trained on (a resumed epoch's rest),
-        for the images/s figure."""
+    def local_sums(self) -> torch.Tensor:
+        """This rank's (loss x images, correct, images, seconds waiting for data), to be summed over ranks."""
         self.sums[2] += self.images
-        loss_sum, correct, count, waits = all_reduce_sum(torch.cat([self.sums, self.sums.new_tensor([self.data_wait])]),
-                                                         self.ctx).tolist()
+        return torch.cat([self.sums, self.sums.new_tensor([self.data_wait])])
+
+    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
+        """The epoch's metrics from `local_sums` summed over all ranks. epoch_images: what the
+        whole epoch trained on; train_images: what this call trained on (a resumed epoch's
+        rest), for the images/s figure."""
+        loss_sum, correct, count, waits = totals.tolist()
         return {"train_loss": loss_sum / count, "train_acc": correct / count, "epoch_images": int(count),
                 "train_images": int(count - self.before), "data_wait_seconds": waits / self.ctx.world_size}
 
@@ -416,35 +364,6 @@ def validation_outputs(placed: PlacedModel, loader: Iterable) -> Outputs:
     return list(predictions(placed, loader))
 
 
-class BatchNormRecalibration:
-    """--bn-recalibrate: FixRes's cheap half (Touvron et al. 2019). A model trained on random
-    crops and evaluated on larger centre crops sees larger objects at evaluation, and its
-    BatchNorm statistics, averaged over the training crops, no longer fit. Before evaluating,
-    a copy of the weights gets statistics recomputed on training images prepared as the
-    validation images are (resized and centre-cropped at the evaluation size), forward only:
-    each BatchNorm's mean and variance averaged over the batches, as
-    torch.optim.swa_utils.update_bn computes them. The weights being trained keep theirs.
-
-    `batches`: gives the uint8 batches, every rank the same ones (the same copy then comes out
-    on every rank, at any world size)."""
-
-    def __init__(self, batches: Callable[[], Sequence[torch.Tensor]]):
-        self.batches = batches
-
-    @torch.no_grad()
-    def __call__(self, placed: PlacedModel, ctx: DistContext) -> PlacedModel:
-        module = copy.deepcopy(placed.module)
-        for norm in batch_norms(module):
-            norm.reset_running_stats()
-            norm.momentum = None  # a plain average over the batches, not a moving one
-        module.train()
-        for images in self.batches():
-            module(placed.input(images))
-        module.eval()
-        broadcast_buffers(module, ctx)  # GPU kernels need not repeat to the bit: rank 0's, everywhere
-        return dataclasses.replace(placed, module=module)
-
-
 def batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
@@ -456,23 +375,72 @@ def batch_norm_statistics(module: nn.Module) -> dict[str, torch.Tensor]:
             for m in batch_norms(module) for key, value in m.named_buffers(recurse=False)}
 
 
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """An epoch's evaluation: the metrics (the weight average's as ema_*), which weights
+    scored higher ("model" or "ema"), their outputs, and their recomputed BatchNorm statistics
+    (--bn-recalibrate; else None)."""
+
+    val: dict[str, float]
+    better: str
+    outputs: Outputs
+    evaluated_bn: dict[str, torch.Tensor] | None
+
+    @property
+    def acc(self) -> float:
+        """The better weights' accuracy, the one best.pth is chosen by."""
+        return max(self.val["val_acc"], self.val.get("ema_val_acc", 0.0))
+
+
+def evaluate_epoch(training: Training, val_pass: Callable[[], Iterable], ctx: DistContext,
+                   recalibrate: Callable[[PlacedModel, DistContext], PlacedModel] | None = None) -> Evaluation:
+    """The model's exact validation metrics, and its weight average's when there is one (each
+    over a pass that `val_pass` gives), each prepared by `recalibrate` when asked. Every rank
+    evaluates its own shard; the sums then go over the ranks in one all-reduce per model."""
+    modules = {"model": training.placed.module, **({"ema": training.ema.module} if training.ema else {})}
+    done = {}
+    for name, module in modules.items():
+        broadcast_buffers(module, ctx)  # rank 0's BatchNorm statistics: every rank evaluates the weights it saves
+        placed = training.placed.with_module(module)
+        if recalibrate:
+            placed = recalibrate(placed, ctx)
+        outputs = validation_outputs(placed, val_pass())
+        done[name] = (metrics_of(all_reduce_sum(validation_sums(outputs, ctx.device), ctx)), outputs, placed.module)
+    val = dict(done["model"][0])
+    if "ema" in done:
+        val.update({f"ema_{k}": v for k, v in done["ema"][0].items()})
+    better = "ema" if "ema" in done and done["ema"][0]["val_acc"] > val["val_acc"] else "model"
+    _, outputs, module = done[better]
+    return Evaluation(val, better, outputs, batch_norm_statistics(module) if recalibrate else None)
+
+
 def evaluate(placed: PlacedModel, loader: Iterable, ctx: DistContext) -> dict[str, float]:
     """Exact accuracy and mean loss over the whole validation split."""
     return validation_metrics(validation_outputs(placed, loader), ctx)
 
 
-@torch.no_grad()
 def validation_metrics(outputs: Outputs, ctx: DistContext) -> dict[str, float]:
-    """Exact accuracy and mean loss over the whole validation split: each rank saw a disjoint
-    shard without padding, so every image counts exactly once. The logits are fp32 (evaluation
+    """Exact accuracy and mean loss over the whole validation split, from this rank's outputs."""
+    return metrics_of(all_reduce_sum(validation_sums(outputs, ctx.device), ctx))
+
+
+@torch.no_grad()
+def validation_sums(outputs: Outputs, device: torch.device) -> torch.Tensor:
+    """(loss sum, correct, images) of this rank's shard. The shards are disjoint and unpadded,
+    so summed over the ranks every image counts exactly once. The logits are fp32 (evaluation
     runs without autocast): bf16 rounding could differ with the batch composition, which
     changes with the world size, and flip a borderline image."""
-    sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, images
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
     images_seen = 0
     criterion = nn.CrossEntropyLoss(reduction="sum")
     for logits, labels, _ in outputs:
         sums[:2] += torch.stack([criterion(logits, labels).double(), (logits.argmax(1) == labels).sum().double()])
         images_seen += labels.numel()
     sums[2] = images_seen
-    loss_sum, correct, count = all_reduce_sum(sums, ctx).tolist()
+    return sums
+
+
+def metrics_of(sums: torch.Tensor) -> dict[str, float]:
+    """Mean loss and accuracy from (loss sum, correct, images) summed over all ranks."""
+    loss_sum, correct, count = sums.tolist()
     return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_correct": int(correct), "val_total": int(count)}

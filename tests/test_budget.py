@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import FAST, args_for, call_main, copy_sample, metrics, user_error
 
-import multi_train_utils.run
+import multi_train_utils.epochs
 import train_single_gpu
 from multi_train_utils.budget import EpochTime, budget_message, epochs_that_fit, most_epochs, parse_duration, run_sizes
-from multi_train_utils.train_eval_utils import build_schedule
+from multi_train_utils.schedule import build_schedule
 
 
 def test_durations():
@@ -92,7 +92,7 @@ class FakeClock:
 
 
 def train_in_process(data, out, clock, monkeypatch, *extra: str, epochs: int | None = 10) -> None:
-    monkeypatch.setattr(multi_train_utils.run, "clock", clock)
+    monkeypatch.setattr(multi_train_utils.epochs, "clock", clock)
     call_main(train_single_gpu.main, ["--data-path", str(data), "--output-dir", str(out), *FAST, "--amp", "off",
                                       *(["--epochs", str(epochs)] if epochs else []), *extra])
 

@@ -11,9 +11,11 @@ import torch
 import torch.multiprocessing as mp
 from conftest import SAMPLE, kill_group, metrics, ok, processes_with_marker, start_job, train, wait_for_epochs
 
-from multi_train_utils import loaders
-from multi_train_utils.distributed_utils import DistContext, find_free_port, setup_process_group, teardown
-from multi_train_utils.loaders import SharedImageCache, check_cache_room, check_device_room
+from multi_train_utils import image_cache
+from multi_train_utils.distributed_utils import DistContext, setup_process_group, teardown
+from multi_train_utils.rendezvous import find_free_port
+from multi_train_utils.image_cache import SharedImageCache, check_cache_room
+from multi_train_utils.device_augment import check_device_room
 from utils import UserError, list_images, load_rgb
 
 SINGLE = DistContext.single()
@@ -42,7 +44,7 @@ def _short_of_memory_on_rank_1(rank: int, port: int, out: str, check: str) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ctx = setup_process_group(rank, rank, 2, 2, "cpu", "gloo", timeout_s=60)
     if rank == 1:
-        loaders.memory_available = lambda: 1024
+        image_cache.memory_available = lambda: 1024
     try:
         if check == "cache":
             SharedImageCache([p for p, _ in list_images(str(SAMPLE))[1][:6]], short_side=32, ctx=ctx)

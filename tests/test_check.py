@@ -14,17 +14,15 @@ from conftest import FAST, SAMPLE, call_main, kill_group, launcher_cmd, run_cli,
 
 import train_multi_gpu_using_launch
 import train_single_gpu
-from multi_train_utils.check import (
+from multi_train_utils.check_rows import (
     FAIL,
     OK,
     WARN,
     Facts,
     Figures,
     Row,
-    StageTimeout,
     address_rows,
     batch_for_share,
-    bounded,
     bus_bandwidth,
     comm_share,
     device_rows,
@@ -38,7 +36,8 @@ from multi_train_utils.check import (
     p2p_row,
     sum_row,
 )
-from multi_train_utils.distributed_utils import find_free_port
+from multi_train_utils.check import StageTimeout, bounded
+from multi_train_utils.rendezvous import find_free_port
 
 
 def as_srun_rank(rank: int, world_size: int, port: int) -> dict[str, str]:

@@ -15,7 +15,7 @@ from conftest import FAST, SAMPLE, copy_sample, launcher_cmd, run_cli, user_erro
 import train_multi_gpu_using_spawn
 import train_single_gpu
 import utils
-from multi_train_utils import loaders
+from multi_train_utils import image_cache
 from multi_train_utils.config import get_args_parser
 
 
@@ -162,7 +162,7 @@ def test_download_verifies_and_unpacks(tmp_path, monkeypatch):
     ("--device-augment", "error: --device-augment keeps the training images on cpu: "),
 ])
 def test_a_launcher_refuses_to_keep_images_where_there_is_no_room(option, message, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(loaders, "memory_available", lambda: 1024)
+    monkeypatch.setattr(image_cache, "memory_available", lambda: 1024)
     line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path),
                                               "--device", "cpu", *FAST, option], capsys)
     assert line.startswith(message)

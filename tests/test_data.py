@@ -229,9 +229,10 @@ def test_batches_loaded_ahead_are_the_batches_loaded_in_turn():
         epochs = EpochPasses(train_loader, val_loader, val_ahead=ahead)
         seen = []
         for epoch, skip in ((1, 32), (2, 0), (3, 0)):  # epoch 1 resumed after two batches
-            seen.append([images for images, _ in epochs.train(epoch, skip)])
-            if ahead and epoch < 3:
-                epochs.begin_train(epoch + 1)
+            train_loader.sampler.set_epoch(epoch, skip=skip)  # as the launchers' epoch loop does
+            seen.append([images for images, _ in epochs.train(epoch)])
+            if ahead:
+                epochs.begin_evaluation(next_epoch=epoch + 1 if epoch < 3 else None)
             seen.append([images for images, _ in epochs.val()])
         return seen
 

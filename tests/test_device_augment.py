@@ -12,8 +12,10 @@ from conftest import args_for
 from torchvision.transforms.v2 import functional as TF
 
 from multi_train_utils.config import prepare
-from multi_train_utils.distributed_utils import DistContext, find_free_port, setup_process_group, teardown
-from multi_train_utils.loaders import DeviceAugmentedLoader, build_loaders, check_device_room, readable_split
+from multi_train_utils.distributed_utils import DistContext, setup_process_group, teardown
+from multi_train_utils.rendezvous import find_free_port
+from multi_train_utils.device_augment import DeviceAugmentedLoader, check_device_room
+from multi_train_utils.loaders import build_loaders, readable_split
 from my_dataset import CropDraws, DeviceCrops, MyDataSet, normalize, train_transforms
 from utils import UserError
 

@@ -21,21 +21,11 @@ from model import convert_sync_batchnorm, create_model
 from multi_train_utils.checkpoint import REQUIRED_KEYS, load_checkpoint
 from multi_train_utils.config import prepare
 from multi_train_utils import distributed_utils
-from multi_train_utils.distributed_utils import (
-    DistContext,
-    ShardSampler,
-    find_free_port,
-    setup_process_group,
-    teardown,
-)
+from multi_train_utils.distributed_utils import DistContext, ShardSampler, setup_process_group, teardown
+from multi_train_utils.rendezvous import find_free_port
 from multi_train_utils.loaders import build_loaders, readable_split
-from multi_train_utils.train_eval_utils import (
-    PlacedModel,
-    Schedule,
-    Training,
-    build_optimizer,
-    train_one_epoch,
-)
+from multi_train_utils.train_eval_utils import PlacedModel, Training, build_optimizer, train_one_epoch
+from multi_train_utils.schedule import Schedule
 from my_dataset import MyDataSet, build_transform, normalize
 from utils import TrainingDiverged, list_images, load_split
 

@@ -34,11 +34,8 @@ from conftest import (
 import train_single_gpu
 from model import create_model
 from multi_train_utils.checkpoint import Progress, load_checkpoint, make_checkpoint, save_atomic
-from multi_train_utils.distributed_utils import (
-    find_free_port,
-    setup_process_group,
-    teardown,
-)
+from multi_train_utils.rendezvous import find_free_port
+from multi_train_utils.distributed_utils import setup_process_group, teardown
 
 @pytest.mark.slow
 def test_elastic_restart_resumes_and_logs_each_epoch_once(tmp_path):

@@ -15,11 +15,12 @@ import sys
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 import torch.distributed as dist
 from conftest import SAMPLE, call_main, metrics, ok, run_cli, train
 
 import predict
-from model import create_model
+from model import convert_sync_batchnorm, create_model
 from multi_train_utils.config import get_args_parser, prepare
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.loaders import build_loaders, readable_split
@@ -74,7 +75,10 @@ def test_sync_bn_becomes_torch_syncbatchnorm_and_trains():
     try:
         args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *ON_GPU, "--sync-bn", "--epochs", "1"])
         ctx = DistContext(0, 0, 1, 1, CUDA, distributed=True)
-        training = build_training(place_model(create_model(5), args, CUDA), args, ctx, batches_per_epoch=2)
+        placed = place_model(create_model(5), args, CUDA)
+        placed = placed.with_module(convert_sync_batchnorm(placed.module, CUDA))  # as the launchers convert it
+        model = DistributedDataParallel(placed.module, device_ids=[CUDA.index])
+        training = build_training(placed, args, ctx, batches_per_epoch=2, model=model)
         assert any(isinstance(m, torch.nn.SyncBatchNorm) for m in training.placed.module.modules())
         batch = (torch.randint(0, 256, (16, 3, 64, 64), dtype=torch.uint8), torch.randint(0, 5, (16,)))
         result = train_one_epoch(training, [batch, batch], ctx, 1, 1)

@@ -539,10 +539,10 @@ def test_readme_links_the_page_on_its_first_screen():
     (("`train_eval_utils.CHECK_EVERY`", "`train_eval_utils.CHECK_EVERY_STEPS`"), "not defined at the top"),
     (("`torch.amp.GradScaler`", "`torch.amp.GradientScaler`"), "not in torch"),
     (("`multi_train_utils/report.py`", "`multi_train_utils/reports.py`"), "no such file"),
-    (("`save_atomic()` in `multi_train_utils/checkpoint.py`", "`save_atomic()` in `multi_train_utils/run_folder.py`"),
+    (("`save_atomic()` in\n  `multi_train_utils/checkpoint.py`", "`save_atomic()` in\n  `multi_train_utils/run_folder.py`"),
      "`save_atomic()` is not defined in `multi_train_utils/run_folder.py`"),
-    (("build_loaders()             multi_train_utils/loaders.py", "build_loaders()             multi_train_utils/run.py"),
-     "map: build_loaders() is in none of multi_train_utils/run.py"),
+    (("build_loaders()               multi_train_utils/loaders.py", "build_loaders()               multi_train_utils/config.py"),
+     "map: build_loaders() is in none of multi_train_utils/config.py"),
     (("--img-size 32 --no-plots --output-dir runs/tour\n", "--img-sise 32 --no-plots --output-dir runs/tour\n"),
      "unrecognized arguments: --img-sise"),
     (("--world-size 2 --dist-url", "--world-sizes 2 --dist-url"), "unrecognized arguments: --world-sizes"),
@@ -554,31 +554,36 @@ def test_readme_links_the_page_on_its_first_screen():
       "process group joined: backend=gloo, world_size=2, rendezvous=127.0.0.1"), "printed by nothing in the code"),
     (("(multi-node.md#slurm)", "(multi-node.md#slurm-jobs)"), "no such heading"),
     # The map in another order than the code's: the launcher reads the environment before the command line,
-    (("  env_ranks()                     multi_train_utils/distributed_utils.py  rank, local rank, world size from the environment\n"
+    (("  env_ranks()                     multi_train_utils/rendezvous.py         rank, local rank, world size from the environment\n"
       "  prepare()                       multi_train_utils/config.py             check the command line, list the images\n",
       "  prepare()                       multi_train_utils/config.py             check the command line, list the images\n"
-      "  env_ranks()                     multi_train_utils/distributed_utils.py  rank, local rank, world size from the environment\n"),
+      "  env_ranks()                     multi_train_utils/rendezvous.py         rank, local rank, world size from the environment\n"),
      "map: main() does not call env_ranks() after prepare()"),
-    # and writes the run files after the DDP wrap and the resume, not at the start;
-    (("    build_training()", "    write_run_files()             multi_train_utils/run_folder.py\n    build_training()"),
-     "map: run() does not call resume() after write_run_files()"),
-    # a call said to be made where it is not (build_model() reaches create_model() through model_for()).
-    (("      build_model()               multi_train_utils/run.py                on a thread of its own, beside:\n",
-      "      build_model()               multi_train_utils/run.py                on a thread of its own, beside:\n"
-      "        create_model()            model.py\n"), "map: build_model() does not call create_model()"),
+    # and wraps the model in DDP before the optimizer is built, not after;
+    (("    torch.nn.parallel.DistributedDataParallel()                           the wrap\n"
+      "    build_training()              multi_train_utils/train_eval_utils.py   the optimizer, the schedule, the loss\n",
+      "    build_training()              multi_train_utils/train_eval_utils.py   the optimizer, the schedule, the loss\n"
+      "    torch.nn.parallel.DistributedDataParallel()                           the wrap\n"),
+     "map: train() does not call torch.nn.parallel.DistributedDataParallel() after build_training()"),
+    # a call said to be made where it is not (train_one_epoch() steps through apply_gradients()).
+    (("      apply_gradients()           multi_train_utils/train_eval_utils.py   the optimizer step\n",
+      "      apply_gradients()           multi_train_utils/train_eval_utils.py   the optimizer step\n"
+      "        torch.optim.Optimizer.zero_grad()\n"
+      "      torch.amp.GradScaler.step()\n"), "map: train_one_epoch() does not call torch.amp.GradScaler.step()"),
     # A skeleton call put in a function that does not make it.
-    (("| `torch.nn.parallel.DistributedDataParallel.no_sync()` | `train_step()`",
+    (("| `torch.nn.parallel.DistributedDataParallel.no_sync()` | `train_one_epoch()`",
       "| `torch.nn.parallel.DistributedDataParallel.no_sync()` | `apply_gradients()`"),
      "skeleton: `torch.nn.parallel.DistributedDataParallel.no_sync()` is not called in `apply_gradients()`"),
-    (("`EpochPasses.train()` in `multi_train_utils/loaders.py`", "`train_or_stop()` in `multi_train_utils/run.py`"),
-     "skeleton: `EpochSampler.set_epoch()` is not called in `train_or_stop()`"),
+    (("| `EpochSampler.set_epoch()` | `train()` in `train_multi_gpu_using_launch.py`",
+      "| `EpochSampler.set_epoch()` | `train_one_epoch()` in `multi_train_utils/train_eval_utils.py`"),
+     "skeleton: `EpochSampler.set_epoch()` is not called in `train_one_epoch()`"),
     # An output block that drops the config: line without saying so.
     (("threads per process=1\n...\n120 images", "threads per process=1\n120 images"),
      "output block cut without a `...` line between: process group"),
     # A name given without its file, and a "(same file)" that names the wrong one.
     (("`image_seed()` in `my_dataset.py`", "`image_seed()`"), "`image_seed` is never given with its file"),
-    (("`set_lr()` (same file)", "`set_lr()` in `multi_train_utils/run.py`"),
-     "`Schedule` is not defined in `multi_train_utils/run.py`"),
+    (("`set_lr()` (same file)", "`set_lr()` in `multi_train_utils/loaders.py`"),
+     "`set_lr()` is not defined in `multi_train_utils/loaders.py`"),
 ])
 def test_a_stale_page_is_caught(page, code, change, complaint):
     old, new = change
@@ -595,7 +600,7 @@ def test_renaming_a_function_in_the_code_fails_the_page(page, tmp_path):
         copy.write_text(path.read_text().replace("def env_ranks(", "def ranks_from_environment("))
     problems = problems_of(page, Code(tmp_path))
     assert "`env_ranks()`: defined nowhere in the project" in problems, problems
-    assert "map: env_ranks() is in none of multi_train_utils/distributed_utils.py" in problems, problems
+    assert "map: env_ranks() is in none of multi_train_utils/rendezvous.py" in problems, problems
 
 
 def test_commands_are_split_as_a_shell_splits_them():

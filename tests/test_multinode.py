@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import FAST, SAMPLE, kill_group, launcher_cmd, metrics, start, start_job, wait_for_epochs, wait_until_gone
 
-from multi_train_utils.distributed_utils import find_free_port
+from multi_train_utils.rendezvous import find_free_port
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 pytestmark = pytest.mark.slow

@@ -17,7 +17,9 @@ from model import create_model
 from multi_train_utils import train_eval_utils
 from multi_train_utils.checkpoint import Progress, load_checkpoint
 from multi_train_utils.config import get_args_parser
-from multi_train_utils.distributed_utils import DistContext, TerminationRequest, find_free_port
+from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.preemption import TerminationRequest
+from multi_train_utils.rendezvous import find_free_port
 from multi_train_utils.train_eval_utils import StoppedInEpoch, build_training, place_model, train_one_epoch
 from my_dataset import EpochSampler, MyDataSet, build_transform
 from utils import Preempted, list_images

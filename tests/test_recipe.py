@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 import torch.distributed as dist
 import torchvision
 from conftest import FAST, SAMPLE, args_for, metrics, ok, sample_batch, train, user_error
@@ -18,16 +19,16 @@ import train_single_gpu
 from model import BlurConv2d, classifier, create_model, freeze_backbone
 from multi_train_utils.checkpoint import load_checkpoint, model_from_checkpoint
 from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.recalibrate import BatchNormRecalibration
 from multi_train_utils.train_eval_utils import (
-    BatchNormRecalibration,
     PlacedModel,
-    WeightAverage,
     batch_norm_statistics,
     build_training,
     mixed,
     place_model,
     train_one_epoch,
 )
+from multi_train_utils.ema import WeightAverage
 from my_dataset import Augmentation, CropDraws, MyDataSet, SizeSchedule, build_transform, eval_img_size, train_transforms
 from utils import UserError, list_images
 
@@ -244,7 +245,8 @@ def test_accumulation_all_reduces_once_per_optimizer_step():
         counts = {}
         for k in (1, 2):
             args = args_for("--amp", "off", "--batch-size", "2", "--accum-steps", str(k))
-            training = build_training(place_model(create_model(5), args, CPU), args, ctx, batches_per_epoch=4)
+            placed = place_model(create_model(5), args, CPU)
+            training = build_training(placed, args, ctx, batches_per_epoch=4, model=DistributedDataParallel(placed.module))
             calls = []
 
             def hook(state, bucket):

@@ -13,13 +13,8 @@ from model import create_model, freeze_backbone
 from multi_train_utils.checkpoint import load_weights
 from multi_train_utils.config import get_args_parser
 from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.train_eval_utils import (
-    autocast_dtype,
-    build_schedule,
-    build_training,
-    place_model,
-    train_one_epoch,
-)
+from multi_train_utils.train_eval_utils import autocast_dtype, build_training, place_model, train_one_epoch
+from multi_train_utils.schedule import build_schedule
 
 CPU = torch.device("cpu")
 
