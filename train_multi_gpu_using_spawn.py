@@ -10,6 +10,8 @@ free port on 127.0.0.1 unless MASTER_ADDR/MASTER_PORT are set. On a machine with
 main() starts the processes; each runs worker(): it joins the process group, trains on its own
 share of the images, and all of them meet at each collective (the gradient all-reduce inside
 DDP's backward pass, the metrics' all-reduce after each epoch). Rank 0 alone prints and writes.
+docs/how-it-works.md says why each call is where it is; `diff train_single_gpu.py` this file
+shows what one GPU becomes many by.
 """
 import os
 import signal
@@ -35,6 +37,7 @@ from multi_train_utils.distributed_utils import (
     stop,
 )
 from multi_train_utils.epochs import EpochCount, RunTimes
+from multi_train_utils.faults import named_faults
 from multi_train_utils.loaders import EpochPasses, build_loaders, run_data
 from multi_train_utils.plotter import Plotter
 from multi_train_utils.preemption import TerminationRequest, save_position_and_exit
@@ -148,12 +151,12 @@ def train(plan: Plan, ctx: DistContext) -> None:
         with ThreadPoolExecutor(max_workers=1) as beside:
             said: list[str] = []
             building = beside.submit(build_model, args, resumed.num_classes(plan), ctx.device, said.append)
-            data = run_data(plan, resumed.path, ctx)  # the split: rank 0's verdict, the same on every rank
+            data = run_data(plan, resumed.path, ctx)  # the split, the same on every rank (they compare notes)
             announce(plan, data.split, output_dir, ctx)
             # Training: a DistributedSampler gives each rank 1/world_size of the images.
             # Validation: disjoint shards without padding, every image evaluated once.
             train_loader, val_loader = build_loaders(data.split, plan, ctx)
-            placed = building.result()  # the model, seeded alike on every rank, on this rank's device
+            placed = building.result()  # the bare model on this rank's device
         for line in said:
             ctx.print0(line)
         resumed.restore_weights(placed.module, data.split, args)
@@ -168,7 +171,9 @@ def train(plan: Plan, ctx: DistContext) -> None:
         if ctx.distributed:
             # DDP copies rank 0's weights to every rank now, and all-reduces the gradients in backward().
             model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-        training = build_training(placed, args, ctx, len(train_loader), model)  # optimizer, lr schedule, loss
+        # The optimizer comes after the swap and the wrap, over the parameters the model has now; the peak
+        # learning rate scales with the global batch (--lr is per 256 images: more processes, a larger rate).
+        training = build_training(placed, args, ctx, len(train_loader), model)
         progress = resumed.restore(training, args, data.lost_files, ctx)  # epochs done, optimizer and scaler state
         if ctx.is_main:
             write_run_files(output_dir, plan, data, progress.epoch, ctx)
@@ -181,10 +186,13 @@ def train(plan: Plan, ctx: DistContext) -> None:
         recalibrate = recalibration(data.split, args)  # --bn-recalibrate, else None
         best = None
         files = EpochWriter(output_dir) if ctx.is_main else None  # rank 0's files, written beside the training
-        with TerminationRequest() as sigterm, files or nullcontext():
+        # A fault in the epochs (a peer gone, a loader worker dead, a failed write) ends in one named paragraph.
+        with named_faults(output_dir, ctx), TerminationRequest() as sigterm, files or nullcontext():
             training = epochs.fitted(training.until(sigterm))
             for epoch in epochs:
-                # A new shuffle every epoch, the same on every rank (a resumed epoch skips what it trained).
+                # DistributedSampler: a new shuffle every epoch, the same on every rank. A resumed epoch skips
+                # the batches this rank trained on before the stop. (Its pass may have begun loading already,
+                # during the last evaluation: load_ahead() set the sampler to this epoch then.)
                 train_loader.sampler.set_epoch(epoch, skip=progress.steps_in_epoch * args.batch_size)
                 try:
                     train_stats = train_one_epoch(training, passes.train(epoch), ctx, epoch, epochs.total(),
@@ -192,14 +200,14 @@ def train(plan: Plan, ctx: DistContext) -> None:
                 except StoppedInEpoch as stop:  # SIGTERM: every rank stopped at the same step
                     save_position_and_exit(stop, training, progress, epoch, args, data.split, output_dir, files, ctx)
                 epochs.trained()
-                passes.begin_evaluation(next_epoch=epochs.next_after(epoch))
+                passes.load_ahead(next_epoch=epochs.next_after(epoch))  # validation's batches, then the next epoch's
                 evaluated = evaluate_epoch(training, passes.val, ctx, recalibrate)  # exact, all-reduced
                 took = epochs.evaluated()
                 is_best = progress.record(epoch, evaluated.acc, took.train, took.eval)
                 if is_best:
                     best = BestEpoch(epoch, evaluated.better, evaluated.outputs)
                 training = epochs.timed(took, training)  # under --time-budget, epoch 1 fixes the count
-                if ctx.is_main:  # the other ranks go on: they meet rank 0 at its next collective
+                if ctx.is_main:  # the bare model's weights (no DDP prefix): they load under any launcher
                     record = epoch_record(epoch, train_stats, evaluated, took, training, data.split, ctx)
                     files.save_epoch(checkpoint_of(training, progress, args, data.split, ctx, evaluated), record,
                                      is_best)

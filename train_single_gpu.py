@@ -5,7 +5,9 @@
     python train_single_gpu.py --data-path dataset/flower_photos --check    # diagnose, do not train
 
 See README.md for every option; all three launchers share them. The multi-GPU launchers run the
-same steps in every process, and add the process group, SyncBatchNorm and the DDP wrap.
+same steps in every process, and add the process group, SyncBatchNorm and the DDP wrap:
+`diff train_single_gpu.py train_multi_gpu_using_launch.py` is the whole difference, and
+docs/how-it-works.md says why each call is where it is.
 """
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +17,7 @@ from multi_train_utils.check import check
 from multi_train_utils.config import Plan, announce, get_args_parser, prepare
 from multi_train_utils.distributed_utils import DistContext, setup_single
 from multi_train_utils.epochs import EpochCount, RunTimes
+from multi_train_utils.faults import named_faults
 from multi_train_utils.loaders import EpochPasses, build_loaders, run_data
 from multi_train_utils.plotter import Plotter
 from multi_train_utils.preemption import TerminationRequest, save_position_and_exit
@@ -62,11 +65,11 @@ def train(plan: Plan, ctx: DistContext) -> None:
         with ThreadPoolExecutor(max_workers=1) as beside:
             said: list[str] = []
             building = beside.submit(build_model, args, resumed.num_classes(plan), ctx.device, said.append)
-            data = run_data(plan, resumed.path, ctx)  # the split: rank 0's verdict, the same on every rank
+            data = run_data(plan, resumed.path, ctx)  # the split, the same on every rank (they compare notes)
             announce(plan, data.split, output_dir, ctx)
             # A DistributedSampler of one replica shuffles the training images, as in the multi-GPU launchers.
             train_loader, val_loader = build_loaders(data.split, plan, ctx)
-            placed = building.result()  # the model, seeded, on its device
+            placed = building.result()  # the bare model on its device
         for line in said:
             ctx.print0(line)
         resumed.restore_weights(placed.module, data.split, args)
@@ -75,7 +78,7 @@ def train(plan: Plan, ctx: DistContext) -> None:
             return
 
         # One process: no SyncBatchNorm, no DistributedDataParallel; the multi-GPU launchers wrap the model here.
-        training = build_training(placed, args, ctx, len(train_loader))  # optimizer, lr schedule, loss
+        training = build_training(placed, args, ctx, len(train_loader))  # the optimizer, its lr schedule, the loss
         progress = resumed.restore(training, args, data.lost_files, ctx)  # epochs done, optimizer and scaler state
         if ctx.is_main:
             write_run_files(output_dir, plan, data, progress.epoch, ctx)
@@ -88,10 +91,13 @@ def train(plan: Plan, ctx: DistContext) -> None:
         recalibrate = recalibration(data.split, args)  # --bn-recalibrate, else None
         best = None
         files = EpochWriter(output_dir) if ctx.is_main else None  # rank 0's files, written beside the training
-        with TerminationRequest() as sigterm, files or nullcontext():
+        # A fault in the epochs (a peer gone, a loader worker dead, a failed write) ends in one named paragraph.
+        with named_faults(output_dir, ctx), TerminationRequest() as sigterm, files or nullcontext():
             training = epochs.fitted(training.until(sigterm))
             for epoch in epochs:
-                # A new shuffle every epoch (a resumed epoch skips what it trained).
+                # DistributedSampler: a new shuffle every epoch. A resumed epoch skips the batches trained on
+                # before the stop. (Its pass may have begun loading already, during the last evaluation:
+                # load_ahead() set the sampler to this epoch then.)
                 train_loader.sampler.set_epoch(epoch, skip=progress.steps_in_epoch * args.batch_size)
                 try:
                     train_stats = train_one_epoch(training, passes.train(epoch), ctx, epoch, epochs.total(),
@@ -99,7 +105,7 @@ def train(plan: Plan, ctx: DistContext) -> None:
                 except StoppedInEpoch as stop:  # SIGTERM
                     save_position_and_exit(stop, training, progress, epoch, args, data.split, output_dir, files, ctx)
                 epochs.trained()
-                passes.begin_evaluation(next_epoch=epochs.next_after(epoch))
+                passes.load_ahead(next_epoch=epochs.next_after(epoch))  # validation's batches, then the next epoch's
                 evaluated = evaluate_epoch(training, passes.val, ctx, recalibrate)  # exact, all-reduced
                 took = epochs.evaluated()
                 is_best = progress.record(epoch, evaluated.acc, took.train, took.eval)

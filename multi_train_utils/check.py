@@ -37,6 +37,7 @@ from multi_train_utils.check_rows import (
     Figures,
     Row,
     address_rows,
+    socket_rows,
     figure_rows,
     inventory_rows,
     local_rows,
@@ -50,13 +51,19 @@ from multi_train_utils.distributed_utils import (
     DistContext,
     broadcast_object,
     gather_objects,
+    lost_connection,
     parse_device,
     setup_process_group,
     setup_single,
     teardown,
 )
 from multi_train_utils.image_cache import memory_available
-from multi_train_utils.rendezvous import Rendezvous, RendezvousIncomplete, port_unreachable
+from multi_train_utils.rendezvous import (
+    Rendezvous,
+    RendezvousIncomplete,
+    port_unreachable,
+    socket_interface_problem,
+)
 from multi_train_utils.run_folder import prepare_output_dir
 from multi_train_utils.train_eval_utils import build_training, place_model, train_one_epoch
 from my_dataset import cache_short_side, default_workers
@@ -126,6 +133,7 @@ def gather_facts(plan: Plan, rdzv: Rendezvous | None) -> Facts:
         master_resolves_to=resolve(master) if master else (),
         hosts_store=rdzv is not None and rdzv.hosts_store(),
         port_problem=port_problem(rdzv, master, port) if master and port else None,
+        socket_problem=socket_interface_problem(backend) if rdzv else None,
     )
 
 
@@ -236,16 +244,19 @@ def check(plan: Plan, rdzv: Rendezvous | None) -> int:
     if rdzv is None:
         # The process a run would be: its device, its share of the cores.
         return report(alone + local_rows(facts) + figure_rows(step_figures(plan, setup_single(plan.args.device))))
-    if facts.port_problem or not facts.master_resolves_to:  # no rendezvous can happen
-        give_up(rank, alone + local_rows(facts), next(r for r in address_rows(facts) if r.result == FAIL))
+    if facts.port_problem or not facts.master_resolves_to or facts.socket_problem:  # no rendezvous can happen
+        give_up(rank, alone + local_rows(facts),
+                next(r for r in address_rows(facts) + socket_rows(facts) if r.result == FAIL))
     if transport_log := nccl_log_file(facts.backend):
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P,NET", NCCL_DEBUG_FILE=transport_log)
     try:
         # The waiting is shown a few times within the timeout, and the missing named at its end.
         ctx = setup_process_group(rdzv.rank, rdzv.local_rank, rdzv.world_size, rdzv.local_world_size,
                                   plan.args.device, plan.args.backend, timeout, rdzv.store_address,
-                                  report_every_s=max(1.0, timeout / 4))
+                                  report_every_s=max(1.0, timeout / 4), advice="")
     except RendezvousIncomplete as e:
+        if rank != 0 and "rank 0 stopped the job" in str(e):
+            ended_by_rank_0(rank, "at the rendezvous")
         give_up(rank, alone + local_rows(facts), Row(
             "rendezvous", FAIL, str(e), "start the missing processes; the same command with --check on each "
             "node shows what that node lacks (docs/troubleshooting.md)"))
@@ -262,6 +273,10 @@ def check(plan: Plan, rdzv: Rendezvous | None) -> int:
         figures = bounded("the figures", 4 * timeout, lambda: step_figures(plan, ctx))
     except StageTimeout as e:
         give_up(rank, alone, Row("collectives", FAIL, str(e), "a peer stopped answering: see its own line"))
+    except Exception as e:
+        if rank != 0 and lost_connection(e):  # rank 0 gave up, and its connections closed
+            ended_by_rank_0(rank, "after the rendezvous")
+        raise
     code = report(alone + inventory + collective + figure_rows(figures)) if ctx.is_main else 0
     code = broadcast_object(code, ctx)
     teardown()
@@ -274,6 +289,14 @@ def give_up(rank: int, rows: list[Row], reason: Row) -> NoReturn:
     stderr_line(f"rank {rank} on {socket.gethostname()}: {reason.check}: {reason.finding}")
     if rank == 0:
         report(rows + ([] if reason in rows else [reason]))
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def ended_by_rank_0(rank: int, when: str) -> NoReturn:
+    """A rank other than 0, whose check rank 0 ended: one line that points at rank 0's table."""
+    stderr_line(f"rank {rank} on {socket.gethostname()}: rank 0 ended the check {when}; its table, in rank 0's "
+                "output, says why")
     sys.stdout.flush()
     os._exit(1)
 

@@ -10,6 +10,7 @@ import ctypes
 import dataclasses
 import datetime
 import os
+import re
 import signal
 import socket
 import sys
@@ -20,7 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from multi_train_utils.rendezvous import JOIN_REPORT_SECONDS, connect_store, env_store, wait_for_ranks
+from multi_train_utils.rendezvous import (
+    CHECK_ADVICE,
+    JOIN_REPORT_SECONDS,
+    connect_store,
+    env_store,
+    socket_interface_problem,
+    wait_for_ranks,
+)
 from utils import UserError, cpu_count
 
 # Seconds the other processes of a job get to exit by themselves once one has failed, before
@@ -36,6 +44,8 @@ class DistContext:
     local_world_size: int
     device: torch.device
     distributed: bool  # a process group exists (also true for a torchrun job of one process)
+    # The rendezvous store, for what the ranks say to each other outside collectives.
+    store: dist.Store | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def single(cls, device: torch.device = torch.device("cpu")) -> DistContext:
@@ -144,16 +154,19 @@ def setup_process_group(
     timeout_s: float,
     store_address: tuple[str, int] | None = None,
     report_every_s: float = JOIN_REPORT_SECONDS,
+    advice: str = CHECK_ADVICE,
 ) -> DistContext:
     """Join the process group of the given ranks: through the store at `store_address`
     (hosted by the spawn launcher), else through MASTER_ADDR/MASTER_PORT (torchrun, SLURM).
     `timeout_s` bounds the rendezvous and every collective: a missing, dead or stuck peer
     becomes an error, not a hang. While processes are missing, rank 0 says which, every
-    `report_every_s` seconds."""
+    `report_every_s` seconds; `advice` follows the names of the missing when it gives up."""
     device = resolve_device(device_spec, local_rank, local_world_size, distributed=True)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if problem := socket_interface_problem(backend):  # gloo would fail deep in its C++, NCCL hang
+        raise UserError(f"rank {rank}: {problem}")
     _configure_threads(device, local_world_size)
     timeout = datetime.timedelta(seconds=timeout_s)
     if store_address is not None:
@@ -161,7 +174,7 @@ def setup_process_group(
         store = connect_store(host, port, rank, timeout_s, report_every_s)
     else:
         host, port, store = env_store(rank, world_size, timeout_s, report_every_s)
-    wait_for_ranks(store, rank, world_size, local_world_size, f"{host}:{port}", timeout_s, report_every_s)
+    wait_for_ranks(store, rank, world_size, local_world_size, f"{host}:{port}", timeout_s, report_every_s, advice)
     dist.init_process_group(
         backend=backend,
         rank=rank,
@@ -172,7 +185,7 @@ def setup_process_group(
         # "devices used by this process are currently unknown" warnings in barrier().
         device_id=device if backend == "nccl" else None,
     )
-    ctx = DistContext(rank, local_rank, world_size, local_world_size, device, distributed=True)
+    ctx = DistContext(rank, local_rank, world_size, local_world_size, device, distributed=True, store=store)
     ctx.print0(
         f"process group: backend={backend}, world_size={world_size}, "
         f"rendezvous={host}:{port}, "
@@ -246,6 +259,16 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     out: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+# How gloo, NCCL and the store say that the other end of a connection went away.
+LOST_CONNECTION = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote process exited|Connection refused|"
+                             r"network error|failed to recv|Socket Timeout|GLHF", re.IGNORECASE)
+
+
+def lost_connection(error: BaseException) -> bool:
+    """Whether `error`, from a collective or the store, says that the connection to a peer broke."""
+    return isinstance(error, (RuntimeError, dist.DistError)) and bool(LOST_CONNECTION.search(str(error)))
 
 
 def raise_together(problem: str | None, ctx: DistContext) -> None:

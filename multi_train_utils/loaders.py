@@ -240,17 +240,20 @@ class EpochPasses:
         self._val: StartedPass | None = None
 
     def train(self, epoch: int) -> StartedPass:
-        """Epoch `epoch`'s training pass, as its sampler is set (set_epoch): the one begun ahead, or now."""
+        """Epoch `epoch`'s training pass, as its sampler is set (set_epoch): the one begun ahead
+        for that epoch, or a new one."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == epoch and self.train_loader.sampler.skip == 0:
+        sampler = self.train_loader.sampler
+        if ahead is not None and ahead[0] == epoch == sampler.epoch and sampler.skip == 0:
             return ahead[1]
         return self._train_pass()
 
-    def begin_evaluation(self, next_epoch: int | None) -> None:
+    def load_ahead(self, next_epoch: int | None) -> None:
         """Begin the validation pass now, unless begun already; then, when another epoch is
-        sure to follow, its training pass behind it: its sampler is set to it early (its crop
-        sizes must be fixed by then). The first validation pass forks the loader's workers,
-        best done while no other loader is handing out batches."""
+        sure to follow, its training pass behind it, the sampler set to it early (its crop
+        sizes must be fixed by then), so that its batches load while the model evaluates. The
+        first validation pass forks the loader's workers, best done while no other loader is
+        handing out batches."""
         self.begin_val()
         if next_epoch is not None:
             self.train_loader.sampler.set_epoch(next_epoch)

@@ -6,7 +6,8 @@ while the run starts up; one draws the pictures of the data (class balance, augm
 as soon as the run folder records its split, and the curves at the end, the other the report's
 pictures once report.json exists. They run at the lowest CPU priority, so they take only what
 training leaves idle; the run waits for them at its end (`time:` says how long), and a run
-that fails or is stopped ends them.
+that fails or is stopped ends them. A drawing process that dies (an out-of-memory kill) costs
+its pictures, not the run: the run says which were lost, and how to draw them later.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 
 from multi_train_utils.distributed_utils import die_with_parent
 from plots import figure_class, save_curves, save_data_plots, save_report_plots
+from utils import stderr_line
 
 # The plotter's two processes and what each draws on each order, from the files in the run
 # folder: at the run's end they draw on two cores at once.
@@ -29,6 +31,9 @@ DRAWINGS = (
     {"data": (save_data_plots,), "results": (save_curves,)},
     {"results": (save_report_plots,), "report": (save_report_plots,)},  # "report": --eval-only
 )
+# What each of them draws, as a lost process's warning says it.
+DRAWN = ("the class balance, the augmented samples and the training curves",
+         "the report's pictures (confusion matrix, most confident mistakes)")
 
 
 class Plotter:
@@ -38,7 +43,9 @@ class Plotter:
         # Forked, not spawned: a child has the parent's imports already (a spawned one would
         # import torch again, seconds of a core). Made before the run starts any thread of its own.
         context = multiprocessing.get_context("fork")
+        self.run_dir = run_dir
         self._children = []
+        self._lost: set[int] = set()  # the children that died, by index
         for drawings in DRAWINGS:
             receive, send = context.Pipe(duplex=False)
             process = context.Process(target=draw_on_order, args=(receive, run_dir, drawings), name="plotter",
@@ -58,8 +65,13 @@ class Plotter:
         self._order("report")
 
     def _order(self, order: str | None) -> None:
-        for _, orders in self._children:
-            orders.send(order)
+        for i, (_, orders) in enumerate(self._children):
+            if i in self._lost:
+                continue
+            try:
+                orders.send(order)
+            except OSError:  # BrokenPipeError: the process died
+                self._lost.add(i)
 
     def waited_line(self) -> str:
         return f"waited {self.waited:.1f}s for the plots"
@@ -72,12 +84,26 @@ class Plotter:
         began = time.perf_counter()
         if kind is None:
             self._order(None)  # no more orders: each process finishes what it has and exits
-        for process, orders in self._children:
+        for i, (process, orders) in enumerate(self._children):
             if kind is not None:
                 process.kill()
             process.join()
             orders.close()
+            if kind is None and process.exitcode != 0:
+                self._lost.add(i)
         self.waited = time.perf_counter() - began
+        if kind is None:
+            self._say_lost()
+
+    def _say_lost(self) -> None:
+        """Name the pictures a dead drawing process did not draw; the run itself succeeded."""
+        for i in sorted(self._lost):
+            process = self._children[i][0]
+            how = (f"was killed by signal {-process.exitcode}" if process.exitcode and process.exitcode < 0
+                   else f"ended with exit code {process.exitcode}")
+            stderr_line(f"warning: a plotting process {how} (an out-of-memory kill?), so {DRAWN[i]} may be "
+                        f"missing; the training and its files are complete. `python plots.py {self.run_dir}` draws "
+                        "every picture again")
 
 
 def draw_on_order(orders: Any, run_dir: Path, drawings: dict[str, tuple[Callable[[Path], Any], ...]]) -> None:

@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import os
 import socket
+import threading
 import time
 import urllib.parse
 
@@ -19,6 +20,13 @@ from utils import ProjectError, UserError, stderr_line
 # A job waiting at the rendezvous says so after this many seconds, and again at this interval.
 JOIN_REPORT_SECONDS = 30
 FIRST_JOIN_REPORT_SECONDS = 5
+# Seconds a store's port may take to answer the store's greeting: a program that is not a store
+# (a port taken by something else) may accept the connection and never answer.
+GREETING_SECONDS = 10
+# The key where rank 0 says whether the job is whole ("go") or why it will not start.
+WORD, GO = "rendezvous-word", "go"
+MISMATCH = "the processes disagree"
+CHECK_ADVICE = ": run the same command with --check (on each node) to find why"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +51,10 @@ class RendezvousIncomplete(ProjectError):
     """Some processes of the job never joined (or never reached the store) in time: exit code 1."""
 
 
+class RendezvousMismatch(RendezvousIncomplete):
+    """The processes disagree on who they are: the world size, or two claiming one rank."""
+
+
 def env_store(rank: int, world_size: int, timeout_s: float, report_every_s: float) -> tuple[str, int, dist.Store]:
     """The store that init_method="env://" would open, namespaced by torchrun's restart count.
 
@@ -58,8 +70,11 @@ def env_store(rank: int, world_size: int, timeout_s: float, report_every_s: floa
             store = dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
         except dist.DistNetworkError as e:
-            raise UserError(f"cannot listen on {host}:{port} ({str(e).rsplit('message: ', 1)[-1]}): is MASTER_PORT "
-                            "used by another job?") from None
+            reason = str(e).rsplit("message: ", 1)[-1].strip()
+            fix = (f"MASTER_ADDR must be an address of the machine where rank 0 runs, {socket.gethostname()}"
+                   if "assign" in reason.lower() else
+                   "is MASTER_PORT used by another job (or a second process started as rank 0)?")
+            raise UserError(f"cannot listen on {host}:{port} ({reason}): {fix}") from None
     else:
         store = connect_store(host, port, rank, timeout_s, report_every_s)
     return host, port, dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
@@ -94,7 +109,31 @@ def connect_store(host: str, port: int, rank: int, timeout_s: float, report_ever
             stderr_line(f"{where} after {waited:.0f}s; still trying")
             next_report += report_every_s
         time.sleep(0.2)
-    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return greeted_store(host, port, timeout_s)
+
+
+def greeted_store(host: str, port: int, timeout_s: float) -> dist.Store:
+    """A client of the store at host:port, which answers. TCPStore's greeting waits without a
+    bound for a program that accepts the connection and says nothing (a port another program
+    holds): it waits here on a thread of its own, for GREETING_SECONDS."""
+    box: dict[str, object] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as e:  # DistNetworkError: a wrong answer to the greeting
+            box["error"] = e
+
+    greeting = threading.Thread(target=connect, name="store greeting", daemon=True)
+    greeting.start()
+    greeting.join(GREETING_SECONDS)
+    if "store" in box:
+        return box["store"]  # type: ignore[return-value]
+    how = (f"gave a wrong answer ({str(box['error']).splitlines()[0]})" if "error" in box else
+           f"gave no answer in {GREETING_SECONDS}s")
+    raise RendezvousIncomplete(f"{host}:{port} accepts connections, but {how} to the rendezvous store's greeting: "
+                               "another program holds that port. Choose another MASTER_PORT (--master-port), the "
+                               "same on every node")
 
 
 def port_unreachable(host: str, port: int, timeout_s: float = 1.0) -> str | None:
@@ -109,32 +148,110 @@ def port_unreachable(host: str, port: int, timeout_s: float = 1.0) -> str | None
 
 
 def wait_for_ranks(store: dist.Store, rank: int, world_size: int, local_world_size: int, where: str,
-                   timeout_s: float, report_every_s: float) -> None:
-    """Mark this process as arrived; on rank 0, wait until all have, saying who is missing at
-    intervals and naming them once `timeout_s` has passed. init_process_group would wait in
-    silence, and time out without a name."""
-    store.set(f"joined/{rank}", socket.gethostname())
-    joined = store.add("joined", 1)
+                   timeout_s: float, report_every_s: float, advice: str = CHECK_ADVICE) -> None:
+    """Each process says who it believes it is: its rank, the world size it was given, its
+    machine. Rank 0 waits until the job is whole, saying who is missing at intervals, then says
+    "go", or why the job will not start: processes that disagree on the world size, two that
+    claim one rank, or the missing, named once `timeout_s` has passed (`advice` added). The others
+    wait for that word, so every process ends with the cause. init_process_group would wait in
+    silence (a process told of a larger world, forever), and time out without a name."""
+    store.append("arrivals", f"{rank} {world_size} {socket.gethostname()};")
     if rank != 0:
+        word = word_of_rank_0(store, rank, where, timeout_s, report_every_s)
+        store.add("word-read", 1)
+        if word != GO:
+            raise (RendezvousMismatch if word.startswith(MISMATCH) else RendezvousIncomplete)(
+                f"rank {rank} on {socket.gethostname()}: rank 0 stopped the job at the rendezvous: {word}")
         return
     started = time.monotonic()
     next_report = started + min(FIRST_JOIN_REPORT_SECONDS, report_every_s)
-    while joined < world_size:
+    while True:
+        arrived = arrivals(store)
+        problem = disagreement(arrived, world_size)
+        if problem:
+            say_to_all(store, problem, len(arrived) - 1)
+            raise RendezvousMismatch(problem)
+        if {r for r, _, _ in arrived} >= set(range(world_size)):
+            store.set(WORD, GO)
+            return
         waited = time.monotonic() - started
+        line = waiting_line(arrived, world_size, local_world_size, where)
         if waited >= timeout_s:
-            raise RendezvousIncomplete(f"{waiting_line(store, world_size, local_world_size, where)} after "
-                                       f"{timeout_s:g}s: run the same command with --check (on each node) to find why")
+            say_to_all(store, f"{line} after {timeout_s:g}s (rank 0's output says more)", len(arrived) - 1)
+            raise RendezvousIncomplete(f"{line} after {timeout_s:g}s{advice}")
         if time.monotonic() >= next_report:
-            print(f"waiting: {waiting_line(store, world_size, local_world_size, where)} ({waited:.0f}s so far; "
-                  "the same command with --check diagnoses the setup)", flush=True)
+            hint = "; the same command with --check diagnoses the setup" if advice else ""
+            print(f"waiting: {line} ({waited:.0f}s so far{hint})", flush=True)
             next_report += report_every_s
         time.sleep(0.1)
-        joined = store.add("joined", 0)
 
 
-def waiting_line(store: dist.Store, world_size: int, local_world_size: int, where: str) -> str:
-    """"1 of 2 processes joined at HOST:PORT; missing: rank 1", the missing read from the store."""
-    missing = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
+def say_to_all(store: dist.Store, word: str, others: int, wait_s: float = 10.0) -> None:
+    """Rank 0's word why the job will not start, left in the store until the `others` that have
+    arrived read it (a few seconds at most): rank 0 hosts the store, which ends with it."""
+    store.set(WORD, word)
+    until = time.monotonic() + wait_s
+    while store.add("word-read", 0) < others and time.monotonic() < until:
+        time.sleep(0.05)
+
+
+def word_of_rank_0(store: dist.Store, rank: int, where: str, timeout_s: float, report_every_s: float) -> str:
+    """What rank 0 says once it has seen every process: "go", or why not. Waiting for it is right
+    while processes are missing; this one says so every `report_every_s` seconds (rank 0 names
+    the missing). Rank 0 gives up at `timeout_s`; a little later this one does too."""
+    started = time.monotonic()
+    next_report = started + max(report_every_s, JOIN_REPORT_SECONDS)  # rank 0's lines come first, and name the missing
+    host = socket.gethostname()
+    try:
+        while not store.check([WORD]):
+            waited = time.monotonic() - started
+            if waited >= timeout_s + FIRST_JOIN_REPORT_SECONDS:
+                raise RendezvousIncomplete(f"rank {rank} on {host} joined at {where}, but rank 0 said nothing in "
+                                           f"{waited:.0f}s: is it running? Its output says why not")
+            if time.monotonic() >= next_report:
+                stderr_line(f"rank {rank} on {host}: joined at {where}, waiting for rank 0 to see every process "
+                            f"({waited:.0f}s so far)")
+                next_report += max(report_every_s, JOIN_REPORT_SECONDS)
+            time.sleep(0.1)
+        return store.get(WORD).decode()
+    except dist.DistNetworkError:
+        raise RendezvousIncomplete(f"rank {rank} on {host}: the rendezvous at {where} went away while this process "
+                                   "waited for rank 0 (it hosts the store: did it end? Its output says why)") from None
+
+
+def arrivals(store: dist.Store) -> list[tuple[int, int, str]]:
+    """(rank, world size, machine) of each process that has arrived, in order of arrival."""
+    text = store.get("arrivals").decode() if store.check(["arrivals"]) else ""
+    return [(int(r), int(w), machine) for r, w, machine in (entry.split(" ", 2) for entry in text.split(";") if entry)]
+
+
+def disagreement(arrived: list[tuple[int, int, str]], world_size: int) -> str | None:
+    """Why the processes that arrived cannot make one job of `world_size` processes (rank 0's
+    count), or None."""
+    other = [(r, w, machine) for r, w, machine in arrived if w != world_size]
+    if other:
+        r, w, machine = other[0]
+        return (f"{MISMATCH} on the world size: rank 0 was started for {world_size} processes, rank {r} on {machine} "
+                f"for {w}: start every process with the same count (torchrun's --nnodes and --nproc_per_node on "
+                "every node, srun's --ntasks, or WORLD_SIZE), then start the job again")
+    machines: dict[int, str] = {}
+    for r, _, machine in arrived:
+        if r in machines:
+            return (f"{MISMATCH} on who is who: two processes claim rank {r} (on {machines[r]} and {machine}): give "
+                    f"each process its own rank, 0 to {world_size - 1} (RANK, or SLURM_PROCID under srun)")
+        machines[r] = machine
+    outside = sorted(r for r in machines if not 0 <= r < world_size)
+    if outside:
+        return (f"{MISMATCH} on who is who: rank {outside[0]} (on {machines[outside[0]]}) is outside a job of "
+                f"{world_size} processes (ranks 0 to {world_size - 1}): give each process its own rank below the "
+                "world size")
+    return None
+
+
+def waiting_line(arrived: list[tuple[int, int, str]], world_size: int, local_world_size: int, where: str) -> str:
+    """"1 of 2 processes joined at HOST:PORT; missing: rank 1"."""
+    joined = {r for r, _, _ in arrived}
+    missing = [r for r in range(world_size) if r not in joined]
     return (f"{world_size - len(missing)} of {world_size} processes joined at {where}; missing: "
             f"{missing_ranks(missing, world_size, local_world_size)}")
 
@@ -226,3 +343,26 @@ def keep_gloo_on_loopback(host: str) -> str | None:
     if loopback:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
     return loopback
+
+
+def socket_interface_problem(backend: str) -> str | None:
+    """Why GLOO_SOCKET_IFNAME (gloo) or NCCL_SOCKET_IFNAME (nccl) names no network interface of
+    this machine, or None. gloo takes exact names, comma-separated; NCCL takes prefixes, exact
+    names after `=`, and exclusions after `^` (not checked)."""
+    variable = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}.get(backend)
+    value = os.environ.get(variable or "", "")
+    if not value or value.startswith("^"):
+        return None
+    present = [name for _, name in socket.if_nameindex()]
+    wanted = [name for name in value.removeprefix("=").split(",") if name]
+    if backend == "gloo":
+        absent = [name for name in wanted if name not in present]
+    else:
+        exact = value.startswith("=")
+        found = any(p == w if exact else p.startswith(w) for w in wanted for p in present)
+        absent = [] if found else wanted
+    if not absent:
+        return None
+    return (f"{variable}={value} names no network interface of {socket.gethostname()} (it has "
+            f"{', '.join(present)}): set it to the interface on the network the other machines reach (`ip addr` "
+            "lists them), the same name on every machine, or unset it")

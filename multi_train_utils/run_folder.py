@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +24,7 @@ from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import DistContext, broadcast_object
 from multi_train_utils.loaders import RunData
 from multi_train_utils.train_eval_utils import Evaluation, Training
-from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, DataSplit, UserError, read_json, save_split, write_json
+from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, DataSplit, ProjectError, UserError, read_json, save_split, write_json
 
 LAST, BEST = "last.pth", "best.pth"
 TENSORBOARD_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "train_images_per_sec")
@@ -101,6 +102,21 @@ def save_epoch(output_dir: Path, checkpoint: dict[str, Any], record: dict[str, A
     writer.flush()
 
 
+class CheckpointWriteFailed(ProjectError):
+    """Rank 0 could not write an epoch's files (a full disk, a lost network file system)."""
+
+    def __init__(self, epoch: int, error: BaseException, output_dir: Path):
+        reason = f"{type(error).__name__}: {error}" if not isinstance(error, OSError) else (
+            f"{error.strerror or error}" + (f": {error.filename}" if error.filename else ""))
+        try:
+            room = f"; {shutil.disk_usage(output_dir).free / 2**30:.2f} GiB free there"
+        except OSError:
+            room = ""
+        super().__init__(f"rank 0 could not write epoch {epoch}'s checkpoint and metrics to {output_dir} "
+                         f"({reason.strip()}{room}): a full disk, a file-size limit or a lost network file system")
+        self.epoch = epoch
+
+
 class EpochWriter:
     """Rank 0's files of each epoch, written by one thread beside the training loop: the loop
     hands over a copy of the checkpoint and goes on training. At most one epoch's files are in
@@ -113,6 +129,7 @@ class EpochWriter:
         self.tensorboard = SummaryWriter(log_dir=str(output_dir))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epoch-writer")
         self._in_flight: Future | None = None
+        self._epoch = 0  # the epoch whose files are in flight
 
     def save_epoch(self, checkpoint: dict[str, Any], record: dict[str, Any], is_best: bool) -> None:
         """Write one epoch's files in the background. `record` gains checkpoint_seconds: what the
@@ -121,18 +138,23 @@ class EpochWriter:
         self.wait()
         copy = snapshot(checkpoint)
         record["checkpoint_seconds"] = time.perf_counter() - started
+        self._epoch = record["epoch"]
         self._in_flight = self._thread.submit(save_epoch, self.output_dir, copy, record, is_best, self.tensorboard)
 
     def save_position(self, checkpoint: dict[str, Any]) -> None:
         """A stopped run's last.pth, written now, after the write in flight: the process exits next."""
         self.wait()
-        save_position(self.output_dir, checkpoint)
+        try:
+            save_position(self.output_dir, checkpoint)
+        except OSError as e:
+            raise CheckpointWriteFailed(checkpoint["epoch"] + 1, e, self.output_dir) from None
 
     def wait(self) -> None:
-        """Until the files in flight are on disk; a write that failed (a full disk) raises here."""
+        """Until the files in flight are on disk; a write that failed (a full disk) raises here,
+        as CheckpointWriteFailed."""
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            in_flight.result()
+        if in_flight is not None and (error := in_flight.exception()) is not None:
+            raise CheckpointWriteFailed(self._epoch, error, self.output_dir) from None
 
     def __enter__(self) -> EpochWriter:
         return self

@@ -12,13 +12,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
-from torchvision.transforms import v2
 from tqdm import tqdm
 
-from model import classifier, freeze_backbone, model_for, set_train_mode
+from model import freeze_backbone, model_for, set_train_mode
 from multi_train_utils.checkpoint import load_weights
 from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum, broadcast_buffers
 from multi_train_utils.ema import WeightAverage
+from multi_train_utils.mixing import BatchMix, build_mix
 from multi_train_utils.schedule import Schedule, build_schedule, global_batch, peak_lr
 from my_dataset import normalize
 from utils import TrainingDiverged
@@ -119,27 +119,6 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.O
     return torch.optim.SGD(groups, lr=0.0, momentum=args.momentum, nesterov=args.momentum > 0, fused=True)
 
 
-def build_mix(args: argparse.Namespace, model: nn.Module) -> Callable | None:
-    """MixUp and/or CutMix as torchvision.transforms.v2 implements them (one of the two per
-    batch when both are asked for, as torchvision's references do), or None."""
-    asked = [(mix, alpha) for mix, alpha in ((v2.MixUp, args.mixup_alpha), (v2.CutMix, args.cutmix_alpha)) if alpha > 0]
-    if not asked:
-        return None
-    num_classes = classifier(model)[1].out_features
-    mixes = [mix(alpha=alpha, num_classes=num_classes) for mix, alpha in asked]
-    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
-
-
-def mixed(training: Training, images: torch.Tensor, labels: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch and its targets after MixUp/CutMix, drawn from a generator seeded by the run's
-    seed and the batch's number in the run: a resumed or repeated run mixes the same way."""
-    if training.mix is None:
-        return images, labels
-    with torch.random.fork_rng(devices=[]):  # the draws happen on the CPU, whatever the device
-        torch.manual_seed(training.seed * 1_000_003 + batch)
-        return training.mix(images, labels)
-
-
 class StoppedInEpoch(Exception):
     """Every rank stopped at the same step because one was asked to (SIGTERM)."""
 
@@ -166,7 +145,7 @@ class Training:
     steps_per_epoch: int  # optimizer steps
     global_batch: int  # images per optimizer step, over all processes and accumulated batches
     seed: int = 0
-    mix: Callable | None = None  # MixUp/CutMix of a batch: (images, labels) -> (images, soft targets)
+    mix: BatchMix | None = None  # MixUp/CutMix
     clip_grad_norm: float | None = None
     ema: WeightAverage | None = None
     accum_steps: int = 1  # batches per optimizer step
@@ -210,12 +189,13 @@ def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoc
                     steps_done: int = 0, sums_so_far: Sequence[float] = (0.0, 0.0, 0.0)) -> dict[str, float]:
     """One pass over this rank's shard, or its rest after `steps_done` batches that summed to
     `sums_so_far` over all ranks: per batch forward, backward and, on the batch that closes an
-    optimizer step, the step itself; the loss and accuracy tallied on the device, looked at every
-    CHECK_EVERY steps (EpochTally.look), and summed over the ranks once, at the end."""
+    optimizer step, the step itself; the loss and accuracy tallied on the device, looked at now
+    and then (Accumulation, EpochTally.look), and summed over the ranks once, at the end."""
     model, placed = training.model, training.placed
     set_train_mode(model)
     tally = EpochTally(ctx, sums_so_far)
-    steps = Accumulation(training.accum_steps, steps_done + len(loader), (epoch - 1) * training.steps_per_epoch)
+    steps = Accumulation(training.accum_steps, steps_done + len(loader), (epoch - 1) * training.steps_per_epoch,
+                         first=steps_done)
     # Bars on rank 0 only, and only on a terminal (disable=None): logs stay free of them.
     bar = tqdm(loader, desc=f"epoch {epoch}/{epochs}", disable=None if ctx.is_main else True, leave=False,
                dynamic_ncols=True)
@@ -223,7 +203,7 @@ def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoc
         at = steps.place(batch)
         images, labels = placed.input(images), labels.to(ctx.device, non_blocking=True)
         set_lr(training.optimizer, training.schedule(at.optimizer_step))
-        inputs, targets = mixed(training, images, labels, at.batch_in_run)
+        inputs, targets = training.mix(images, labels, at.batch_in_run) if training.mix else (images, labels)
         # DDP all-reduces the gradients during the backward pass of the batch that closes an
         # optimizer step; the batches before it (--accum-steps) add theirs up locally (no_sync).
         with contextlib.nullcontext() if at.closes or not ctx.distributed else model.no_sync():
@@ -253,17 +233,21 @@ class StepPlace:
 
 class Accumulation:
     """--accum-steps' arithmetic over one epoch of `batches` batches: every `k` batches make
-    one optimizer step, and the epoch's last step takes the batches that are left."""
+    one optimizer step, and the epoch's last step takes the batches that are left. The tally is
+    looked at after every CHECK_EVERY-th step, the last, and the first this pass makes (from
+    batch `first`): a SIGTERM that came while the model evaluated or rank 0 saved is then acted
+    on at once, not CHECK_EVERY steps into the epoch."""
 
-    def __init__(self, k: int, batches: int, steps_before: int):
+    def __init__(self, k: int, batches: int, steps_before: int, first: int = 0):
         self.k, self.batches, self.steps_before = k, batches, steps_before  # steps_before: the earlier epochs' steps
+        self.first_step = first // k
 
     def place(self, batch: int) -> StepPlace:
         k, in_epoch = self.k, batch // self.k
         closes = (batch + 1) % k == 0 or batch + 1 == self.batches
+        look = in_epoch == self.first_step or (in_epoch + 1) % CHECK_EVERY == 0 or batch + 1 == self.batches
         return StepPlace(self.steps_before + in_epoch, closes, min(k, self.batches - in_epoch * k),
-                         self.steps_before * k + batch,
-                         closes and ((in_epoch + 1) % CHECK_EVERY == 0 or batch + 1 == self.batches))
+                         self.steps_before * k + batch, closes and look)
 
 
 class EpochTally:

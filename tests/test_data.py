@@ -232,7 +232,7 @@ def test_batches_loaded_ahead_are_the_batches_loaded_in_turn():
             train_loader.sampler.set_epoch(epoch, skip=skip)  # as the launchers' epoch loop does
             seen.append([images for images, _ in epochs.train(epoch)])
             if ahead:
-                epochs.begin_evaluation(next_epoch=epoch + 1 if epoch < 3 else None)
+                epochs.load_ahead(next_epoch=epoch + 1 if epoch < 3 else None)
             seen.append([images for images, _ in epochs.val()])
         return seen
 

@@ -112,7 +112,7 @@ def test_stopping_inside_an_epoch_and_going_on_equals_the_whole_epoch(monkeypatc
 
     whole = fresh(None)
     expected = train_one_epoch(whole, batches, DistContext.single(), 1, 1)
-    stopped = fresh(1)  # the second check, after step 4
+    stopped = fresh(2)  # the third check, after step 4 (the first is after step 1, then every 2)
     with pytest.raises(StoppedInEpoch) as info:
         train_one_epoch(stopped, batches, DistContext.single(), 1, 1)
     assert info.value.steps_done == 4 and info.value.sums[2] == 8
@@ -122,6 +122,21 @@ def test_stopping_inside_an_epoch_and_going_on_equals_the_whole_epoch(monkeypatc
     assert result["train_acc"] == expected["train_acc"] and result["train_images"] == 2
     for a, b in zip(whole.placed.module.state_dict().values(), stopped.placed.module.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_a_sigterm_that_came_between_epochs_stops_the_next_after_its_first_step():
+    """A SIGTERM that arrived while the model evaluated or rank 0 saved is acted on after the
+    next epoch's first step, not CHECK_EVERY (20) steps into it: schedulers kill 30 s or so later."""
+    args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), "--epochs", "1", "--amp", "off"])
+    _, samples = list_images(str(SAMPLE))
+    dataset = MyDataSet(samples[::12], build_transform(32, train=True), 32, seed=0)
+    batches = [[dataset[(1, i)] for i in range(j, j + 2)] for j in range(0, 10, 2)]
+    batches = [(torch.stack([x for x, _ in b]), torch.tensor([y for _, y in b])) for b in batches]
+    training = build_training(place_model(create_model(5), args, torch.device("cpu")), args, DistContext.single(),
+                              batches_per_epoch=len(batches))
+    with pytest.raises(StoppedInEpoch) as info:
+        train_one_epoch(training.until(lambda: True), batches, DistContext.single(), 2, 2)
+    assert info.value.steps_done == 1
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from multi_train_utils.train_eval_utils import (
     PlacedModel,
     batch_norm_statistics,
     build_training,
-    mixed,
     place_model,
     train_one_epoch,
 )
@@ -86,15 +85,15 @@ def test_mixing_is_torchvisions_and_repeats_with_the_batch():
     training = build_training(place_model(create_model(5), args_for("--mixup-alpha", "0.4", "--cutmix-alpha", "1.0"),
                                           CPU), args_for("--mixup-alpha", "0.4", "--cutmix-alpha", "1.0"),
                               DistContext.single(), batches_per_epoch=1)
-    assert isinstance(training.mix, v2.RandomChoice)
+    assert isinstance(training.mix.transform, v2.RandomChoice)
     images, labels = sample_batch(4)
     images = images.float()
-    a, targets = mixed(training, images, labels, batch=7)
-    b, again = mixed(training, images, labels, batch=7)
+    a, targets = training.mix(images, labels, batch=7)
+    b, again = training.mix(images, labels, batch=7)
     assert torch.equal(a, b) and torch.equal(targets, again)
     assert targets.shape == (4, 5) and torch.allclose(targets.sum(1), torch.ones(4))
     assert not torch.equal(a, images)  # the batch was mixed
-    assert any(not torch.equal(mixed(training, images, labels, batch)[0], a) for batch in range(8, 12))
+    assert any(not torch.equal(training.mix(images, labels, batch)[0], a) for batch in range(8, 12))
 
 
 def test_clipping_bounds_the_first_step():

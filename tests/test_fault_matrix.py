@@ -1,0 +1,206 @@
+"""The fault matrix: each fault a real run meets, on loopback with gloo, ends on every rank in
+one paragraph that names the cause and the fix, a non-zero exit code, and no traceback; a run
+whose training finished is not failed by a helper (docs/troubleshooting.md lists each message
+beside the symptom a user would search for)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAST, SAMPLE, child_pids, kill_group, launcher_cmd, run_cli, start
+
+from multi_train_utils.plotter import Plotter
+from multi_train_utils.rendezvous import find_free_port
+
+TRAIN = ["--data-path", str(SAMPLE), *FAST, "--epochs", "1"]
+
+
+def srun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """One process of a job started from the environment, as srun starts one: no agent watches it."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+
+
+def start_ranks(out: Path, sizes: list[int], *extra: str, port: int | None = None) -> list:
+    """Processes of one environment-started job, rank r believing the world size sizes[r]."""
+    port = port or find_free_port()
+    cmd = [sys.executable, "train_multi_gpu_using_launch.py", "--output-dir", str(out), *TRAIN, *extra]
+    return [start(cmd, env=srun_env(rank, size, port)) for rank, size in enumerate(sizes)]
+
+
+def finish(procs: list, timeout: float = 60) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each process, each given `timeout` seconds from now."""
+    deadline, results = time.monotonic() + timeout, []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    return results
+
+
+def no_traceback(*texts: str) -> None:
+    for text in texts:
+        assert "Traceback" not in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", [False, True])
+def test_a_socket_interface_that_does_not_exist_is_named_on_every_rank(tmp_path, check):
+    """GLOO_SOCKET_IFNAME left over from another cluster: every rank names it and the interfaces
+    that exist, before gloo fails deep inside its C++; --check puts it in its table."""
+    cmd = launcher_cmd("spawn", 2) + ["--output-dir", str(tmp_path), *TRAIN, *(["--check"] if check else [])]
+    result = run_cli(cmd, timeout=90, env={"GLOO_SOCKET_IFNAME": "nosuch0", "OMP_NUM_THREADS": "1"})
+    no_traceback(result.stdout, result.stderr)
+    lo = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
+    for rank in (0, 1):
+        assert f"rank {rank}" in result.stderr and "GLOO_SOCKET_IFNAME=nosuch0 names no network interface" in result.stderr
+    assert lo in result.stderr
+    if check:
+        assert result.returncode == 1 and "check: a job would not run (socket interface)" in result.stdout
+    else:
+        assert result.returncode == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes, cause", [
+    ([2, 3], "rank 0 was started for 2 processes, rank 1 on"),
+    ([3, 2], "rank 0 was started for 3 processes, rank 1 on"),
+])
+def test_ranks_that_disagree_on_the_world_size_are_named_on_every_rank(tmp_path, sizes, cause):
+    """Two nodes started with different --nproc_per_node, or an edited job script: found at the
+    rendezvous (each rank says what it believes), within seconds, on every rank."""
+    started = time.monotonic()
+    results = finish(start_ranks(tmp_path, sizes))
+    assert time.monotonic() - started < 45
+    for code, out, err in results:
+        assert code == 1, err
+        no_traceback(out, err)
+        assert "the processes disagree on the world size" in err and cause in err and "WORLD_SIZE" in err
+    assert "rank 1 on" in results[1][2] and "rank 0 stopped the job at the rendezvous" in results[1][2]
+
+
+@pytest.mark.slow
+def test_two_processes_claiming_one_rank_are_named(tmp_path):
+    port = find_free_port()
+    procs = start_ranks(tmp_path, [3, 3], port=port)
+    procs.append(start([sys.executable, "train_multi_gpu_using_launch.py", "--output-dir", str(tmp_path), *TRAIN],
+                       env=srun_env(1, 3, port)))  # a second rank 1
+    results = finish(procs)
+    for code, out, err in results:
+        assert code == 1 and "two processes claim rank 1" in err, err
+        no_traceback(out, err)
+
+
+@pytest.mark.slow
+def test_a_port_held_by_another_program_is_named(tmp_path):
+    """The rendezvous port answers, but not as a store (here a program that answers anything
+    with an HTTP error): a rank says so instead of a C++ traceback or a wait without end."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(64)
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    cmd = [sys.executable, "train_multi_gpu_using_launch.py", "--output-dir", str(tmp_path), *TRAIN]
+    result = run_cli(cmd, timeout=60, env=srun_env(1, 2, server.getsockname()[1]))
+    assert result.returncode == 1, result.stderr
+    no_traceback(result.stderr)
+    # TCPStore's client retries a wrong answer until the greeting's bound (and logs C++ warnings meanwhile).
+    assert "accepts connections, but gave" in result.stderr and "another program holds that port" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_rank_killed_in_training_is_named_by_the_others(tmp_path):
+    """No launcher agent watches (srun): rank 1 is killed in epoch 2; rank 0 meets the broken
+    collective within a second, names rank 1 after a roll call in the store, says which
+    checkpoint holds, and exits 1, long before --dist-timeout."""
+    procs = start_ranks(tmp_path, [2, 2], "--epochs", "30", "--batch-size", "2", "--img-size", "64")
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "metrics.jsonl").exists():
+        assert procs[0].poll() is None and time.monotonic() < deadline, finish(procs)
+        time.sleep(0.1)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    (code, out, err), _ = finish(procs, timeout=60)
+    assert time.monotonic() - killed < 30
+    assert code == 1, err
+    no_traceback(err)
+    assert "the connection to another process of the job broke during a collective" in err
+    assert "rank 1 did not answer" in err
+    assert f"{tmp_path / 'last.pth'} holds epoch" in err and "--resume auto" in err
+
+
+@pytest.mark.slow
+def test_a_check_that_rank_0_ends_points_the_others_at_its_table(tmp_path):
+    """--check with rank 2 of 3 missing: rank 0 names it in its table; rank 1 says in one line
+    that rank 0 ended the check, and where the reason is."""
+    procs = start_ranks(tmp_path, [3, 3], "--check", "--check-timeout", "4")
+    (code0, out0, err0), (code1, out1, err1) = finish(procs)
+    assert code0 == code1 == 1
+    no_traceback(out0, err0, out1, err1)
+    assert "check: a job would not run (rendezvous)" in out0 and "missing: rank 2" in out0
+    assert "--check" not in err0.split("rendezvous:", 1)[-1]  # no advice to run what is running
+    lines = err1.strip().splitlines()
+    assert len(lines) == 1 and "rank 0 ended the check at the rendezvous; its table, in rank 0's output" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_killed_loader_worker_stops_the_run_with_the_cause(tmp_path):
+    proc = start([sys.executable, "train_single_gpu.py", "--data-path", str(SAMPLE), "--output-dir", str(tmp_path),
+                  "--img-size", "64", "--batch-size", "4", "--workers", "1", "--no-plots", "--epochs", "30"])
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "metrics.jsonl").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    for pid in child_pids(proc.pid):
+        os.kill(pid, signal.SIGKILL)  # the loader worker (no plotter: --no-plots)
+    ((code, out, err),) = finish([proc])
+    assert code == 1, err
+    no_traceback(err)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: a data-loader worker died (DataLoader worker (pid"), err
+    assert "--workers" in last and "last.pth holds epoch" in last
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_write_stops_the_run_and_says_what_holds(tmp_path):
+    """A full disk, for real: a file-size limit under the checkpoint's size makes rank 0's write
+    fail (EFBIG) while the small files go through."""
+    code = ("import resource, runpy, signal, sys\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, 8 << 20))\n"
+            f"sys.argv = ['train_single_gpu.py', '--output-dir', {str(tmp_path)!r}, *{TRAIN!r}]\n"
+            "runpy.run_path('train_single_gpu.py', run_name='__main__')\n")
+    result = run_cli([sys.executable, "-c", code], timeout=90)
+    assert result.returncode == 1, result.stderr
+    no_traceback(result.stderr)
+    assert f"rank 0 could not write epoch 1's checkpoint and metrics to {tmp_path}" in result.stderr
+    assert "No checkpoint was saved yet" in result.stderr
+    assert not (tmp_path / "last.pth").exists()
+
+
+def test_a_dead_plotter_costs_its_pictures_not_the_run(tmp_path, capsys):
+    """A drawing process killed (as an out-of-memory killer might choose it): the run is told
+    which pictures may be missing and how to draw them, and ends without an error."""
+    with Plotter(tmp_path) as plotter:
+        victim = plotter._children[0][0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join()
+        plotter.draw_data()
+        plotter.draw_results()
+    err = capsys.readouterr().err
+    assert "warning: a plotting process was killed by signal 9" in err
+    assert "the training curves may be missing" in err and f"python plots.py {tmp_path}" in err
