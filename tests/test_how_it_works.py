@@ -631,4 +631,4 @@ def test_the_readmes_launcher_commands_parse():
         _, problem = parse_problem(parser.parse_args, options, " ".join(words))
         assert problem is None, problem
     quick_start = launches[0][1][3]
-    assert "data/flower_photos_sample" in quick_start and (REPO / "data" / "flower_photos_sample").is_dir()
+    assert "data/flower_photos_quick" in quick_start and (REPO / "data" / "flower_photos_quick").is_dir()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-ENTRY_SCRIPTS = {"train_single_gpu", "train_multi_gpu_using_launch", "train_multi_gpu_using_spawn", "predict", "export"}
+ENTRY_SCRIPTS = {"train_single_gpu", "train_multi_gpu_using_launch", "train_multi_gpu_using_spawn", "predict", "export", "make_sample"}
 LAYERS = {"utils": 0, "model": 1, "my_dataset": 1, "plots": 1, "multi_train_utils": 2, "benchmarks": 3,
           **{name: 3 for name in ENTRY_SCRIPTS}}
 
