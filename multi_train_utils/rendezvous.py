@@ -65,6 +65,8 @@ def env_store(rank: int, world_size: int, timeout_s: float, report_every_s: floa
     host, port = master_address()
     # Under torchrun the agent hosts the store and every worker is a client; otherwise rank 0 hosts it.
     if rank == 0 and not agent_hosts_store():
+        if problem := not_local_problem(host, socket.gethostname()):
+            raise UserError(problem)  # TCPStore would wait on it without end
         # Not waiting for the others here: wait_for_ranks does, and says who is missing.
         try:
             store = dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
@@ -78,6 +80,24 @@ def env_store(rank: int, world_size: int, timeout_s: float, report_every_s: floa
     else:
         store = connect_store(host, port, rank, timeout_s, report_every_s)
     return host, port, dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def not_local_problem(host: str, machine: str) -> str | None:
+    """Why rank 0 cannot host the store at `host`: it names no address of this machine. Found by
+    binding a socket to it, which fails here and sends nothing; None when it binds."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"MASTER_ADDR {host} does not resolve on {machine} ({e.strerror})"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind((address[0], 0))
+                return None
+            except OSError:
+                continue
+    return (f"MASTER_ADDR {host} is not an address of this machine, {machine}, where rank 0 runs and hosts the "
+            "rendezvous: set it to this machine's address (`hostname -I`), or start rank 0 on the machine it names")
 
 
 def master_address() -> tuple[str, int]:

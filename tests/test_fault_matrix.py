@@ -16,7 +16,7 @@ import pytest
 from conftest import FAST, SAMPLE, child_pids, kill_group, launcher_cmd, run_cli, start
 
 from multi_train_utils.plotter import Plotter
-from multi_train_utils.rendezvous import find_free_port
+from multi_train_utils.rendezvous import find_free_port, not_local_problem
 
 TRAIN = ["--data-path", str(SAMPLE), *FAST, "--epochs", "1"]
 
@@ -120,6 +120,14 @@ def test_a_port_held_by_another_program_is_named(tmp_path):
     no_traceback(result.stderr)
     # TCPStore's client retries a wrong answer until the greeting's bound (and logs C++ warnings meanwhile).
     assert "accepts connections, but gave" in result.stderr and "another program holds that port" in result.stderr
+
+
+def test_a_master_addr_that_is_not_this_machines_is_named_before_rank_0_listens():
+    """Rank 0 hosts the store at MASTER_ADDR; an address of another machine (here one from the
+    documentation range 192.0.2.0/24) is found by binding to it here, which fails locally and
+    sends nothing, before TCPStore would try to reach it and wait."""
+    assert "is not an address of this machine" in not_local_problem("192.0.2.1", socket.gethostname())
+    assert not_local_problem("127.0.0.1", socket.gethostname()) is None
 
 
 @pytest.mark.slow
