@@ -19,7 +19,10 @@ Needs only Pillow and the standard library. The quick-start sample, data/flower_
 was made from 800 development photos of `flower_photos` (160 per class; short sides 143
 to 425 px) with:
 
-    python make_sample.py ../shared/data/flower_photos_dev data/flower_photos_quick --per-class 100 --short-side 72
+    python make_sample.py DEV_PHOTOS data/flower_photos_quick --per-class 100 --short-side 72
+
+where DEV_PHOTOS is that folder of 800 originals (not part of this repository; any folder of
+class sub-folders with a flower_photos LICENSE.txt works the same way).
 """
 from __future__ import annotations
 
