@@ -72,11 +72,9 @@ def env_store(rank: int, world_size: int, timeout_s: float, report_every_s: floa
             store = dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
         except dist.DistNetworkError as e:
-            reason = str(e).rsplit("message: ", 1)[-1].strip()
-            fix = (f"MASTER_ADDR must be an address of the machine where rank 0 runs, {socket.gethostname()}"
-                   if "assign" in reason.lower() else
-                   "is MASTER_PORT used by another job (or a second process started as rank 0)?")
-            raise UserError(f"cannot listen on {host}:{port} ({reason}): {fix}") from None
+            # A MASTER_ADDR of another machine was refused above: what is left is the port.
+            raise UserError(f"cannot listen on {host}:{port} ({str(e).rsplit('message: ', 1)[-1].strip()}): is "
+                            "MASTER_PORT used by another job (or a second process started as rank 0)?") from None
     else:
         store = connect_store(host, port, rank, timeout_s, report_every_s)
     return host, port, dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
