@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import socket
 import time
 import traceback
@@ -38,6 +39,10 @@ def named_faults(output_dir: Path, ctx: DistContext) -> Iterator[None]:
         who = f"rank {ctx.rank} on {socket.gethostname()}: " if ctx.distributed else ""
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if first_line.startswith("DataLoader worker"):
+            # torch's SIGCHLD handler raises again at each later child's exit while the dead
+            # worker's loader lives (another loader's worker, killed with it), which would break
+            # the reading of last.pth below: the run is ending, its children no longer matter.
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             cause = (f"{who}a data-loader worker died ({first_line}); the kernel kills one that runs out of memory "
                      "(`dmesg` says so): lower --workers or --batch-size, or give the job more memory")
         elif ctx.distributed and lost_connection(e):
@@ -90,8 +95,8 @@ def what_holds(output_dir: Path, ctx: DistContext) -> str:
     try:
         checkpoint = load_checkpoint(last, mmap=True)
         epoch, steps = checkpoint["epoch"], checkpoint.get("steps_in_epoch", 0)
-    except UserError:
-        return f"{last} cannot be read: the run starts from the beginning when run again"
+    except UserError as e:
+        return f"{e}: the run starts from the beginning when run again"
     inside = f" and {steps} steps of epoch {epoch + 1}" if steps else ""
     return f"{last} holds epoch {epoch}{inside}: go on from it with --resume auto (and the same --output-dir)"
 
