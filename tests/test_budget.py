@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, args_for, call_main, copy_sample, metrics, user_error
+from conftest import FAST, SMALL_MODEL, args_for, call_main, copy_sample, metrics, user_error
 
 import multi_train_utils.epochs
 import train_single_gpu
@@ -93,8 +93,8 @@ class FakeClock:
 
 def train_in_process(data, out, clock, monkeypatch, *extra: str, epochs: int | None = 10) -> None:
     monkeypatch.setattr(multi_train_utils.epochs, "clock", clock)
-    call_main(train_single_gpu.main, ["--data-path", str(data), "--output-dir", str(out), *FAST, "--amp", "off",
-                                      *(["--epochs", str(epochs)] if epochs else []), *extra])
+    call_main(train_single_gpu.main, ["--data-path", str(data), "--output-dir", str(out), *FAST, *SMALL_MODEL,
+                                      "--amp", "off", *(["--epochs", str(epochs)] if epochs else []), *extra])
 
 
 @pytest.fixture

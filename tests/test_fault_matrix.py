@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, SAMPLE, child_pids, kill_group, launcher_cmd, run_cli, start
+from conftest import FAST, SAMPLE, SMALL_MODEL, child_pids, kill_group, launcher_cmd, run_cli, start
 
 from multi_train_utils.plotter import Plotter
 from multi_train_utils.rendezvous import find_free_port, not_local_problem
@@ -136,7 +136,7 @@ def test_a_rank_killed_in_training_is_named_by_the_others(tmp_path):
     """No launcher agent watches (srun): rank 1 is killed in epoch 2; rank 0 meets the broken
     collective within a second, names rank 1 after a roll call in the store, says which
     checkpoint holds, and exits 1, long before --dist-timeout."""
-    procs = start_ranks(tmp_path, [2, 2], "--epochs", "30", "--batch-size", "2", "--img-size", "64")
+    procs = start_ranks(tmp_path, [2, 2], *SMALL_MODEL, "--epochs", "30", "--batch-size", "2", "--img-size", "64")
     deadline = time.monotonic() + 120
     while not (tmp_path / "metrics.jsonl").exists():
         assert procs[0].poll() is None and time.monotonic() < deadline, finish(procs)
@@ -169,7 +169,8 @@ def test_a_check_that_rank_0_ends_points_the_others_at_its_table(tmp_path):
 @pytest.mark.slow
 def test_a_killed_loader_worker_stops_the_run_with_the_cause(tmp_path):
     proc = start([sys.executable, "train_single_gpu.py", "--data-path", str(SAMPLE), "--output-dir", str(tmp_path),
-                  "--img-size", "64", "--batch-size", "4", "--workers", "1", "--no-plots", "--epochs", "30"])
+                  "--img-size", "64", "--batch-size", "4", "--workers", "1", "--no-plots", "--epochs", "30",
+                  *SMALL_MODEL])
     deadline = time.monotonic() + 120
     while not (tmp_path / "metrics.jsonl").exists():
         assert proc.poll() is None and time.monotonic() < deadline

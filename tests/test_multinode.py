@@ -8,7 +8,7 @@ import signal
 import sys
 
 import pytest
-from conftest import FAST, SAMPLE, kill_group, launcher_cmd, metrics, start, start_job, wait_for_epochs, wait_until_gone
+from conftest import FAST, SAMPLE, SMALL_MODEL, kill_group, launcher_cmd, metrics, start, start_job, wait_for_epochs, wait_until_gone
 
 from multi_train_utils.rendezvous import find_free_port
 
@@ -35,7 +35,7 @@ def test_two_nodes_joined_by_c10d_rendezvous(tmp_path):
     endpoint = f"127.0.0.1:{find_free_port()}"
     node = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
                        "--rdzv-id=flowers-test", "train_multi_gpu_using_launch.py",
-                       "--data-path", str(SAMPLE), "--output-dir", str(tmp_path), *FAST, "--epochs", "1"]
+                       "--data-path", str(SAMPLE), "--output-dir", str(tmp_path), *FAST, *SMALL_MODEL, "--epochs", "1"]
     results = finish([start(node), start(node)])
     records = metrics(tmp_path)
     assert [r["world_size"] for r in records] == [2] and records[0]["val_total"] == 25
@@ -79,7 +79,7 @@ def test_a_checkpoint_moves_between_launchers_and_world_sizes(tmp_path):
     stop_after("single", 1, tmp_path, 1)
     stop_after("launch", 2, tmp_path, 2)
     cmd = launcher_cmd("spawn", 3) + ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path), *FAST,
-                                      "--epochs", "3", "--resume", "auto"]
+                                      *SMALL_MODEL, "--epochs", "3", "--resume", "auto"]
     proc = start(cmd)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SAMPLE, call_main, check_png, ok, run_cli, train
+from conftest import SAMPLE, SMALL_MODEL, call_main, check_png, ok, run_cli, train
 
 import plots
 from utils import list_images, split_samples
@@ -21,8 +21,8 @@ REPORT_PLOTS = ("confusion_matrix.png", "mistakes.png")
 def runs(tmp_path_factory):
     """A two-epoch single-process run and a one-epoch run with another seed."""
     root = tmp_path_factory.mktemp("runs")
-    ok(train("single", root / "two_epochs", "--epochs", "2", "--plots"))
-    ok(train("single", root / "seed_1", "--epochs", "1", "--seed", "1", "--plots"))
+    ok(train("single", root / "two_epochs", *SMALL_MODEL, "--epochs", "2", "--plots"))
+    ok(train("single", root / "seed_1", *SMALL_MODEL, "--epochs", "1", "--seed", "1", "--plots"))
     return root / "two_epochs", root / "seed_1"
 
 

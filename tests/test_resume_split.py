@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    SMALL_MODEL,
     copy_sample,
     finished_after_killing_a_worker,
     metrics,
@@ -31,7 +32,7 @@ def started(tmp_path: Path, launcher: str = "single", nproc: int = 1) -> tuple[P
     """A copy of the sample, and a run of one epoch on it."""
     data = copy_sample(tmp_path / "data")
     out = tmp_path / "run"
-    ok(train(launcher, out, "--epochs", "1", nproc=nproc, data=data))
+    ok(train(launcher, out, *SMALL_MODEL, "--epochs", "1", nproc=nproc, data=data))
     return data, out
 
 
@@ -58,7 +59,7 @@ def test_photos_added_after_the_start_are_not_used(tmp_path):
     data, out = started(tmp_path, launcher, nproc=2)
     before = recorded(out)
     grow(data)
-    result = ok(train(launcher, out, "--epochs", "2", "--resume", "auto", nproc=2, data=data))
+    result = ok(train(launcher, out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", nproc=2, data=data))
     after = recorded(out)
     assert (after["train"], after["val"]) == (before["train"], before["val"])
     assert f"10 image(s) added to {data} since the run started are not used" in result.stdout
@@ -70,7 +71,7 @@ def test_photos_removed_after_the_start_stop_the_resume_and_nothing_is_overwritt
     data, out = started(tmp_path)
     files = {name: (out / name).read_bytes() for name in (SPLIT_FILE, "last.pth", "metrics.jsonl")}
     gone = shrink(out)
-    result = train("single", out, "--epochs", "2", "--resume", "auto", data=data)
+    result = train("single", out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", data=data)
     assert result.returncode == 2, result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.strip()]
     assert line.startswith("error: 3 of the run's 120 files are gone or no longer decode")
@@ -83,7 +84,7 @@ def test_drop_missing_goes_on_without_them_and_keeps_the_rest_of_the_split(tmp_p
     before = recorded(out)
     gone = set(shrink(out))
     grow(data)
-    result = ok(train("single", out, "--epochs", "2", "--resume", "auto", "--drop-missing", data=data))
+    result = ok(train("single", out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", "--drop-missing", data=data))
     after = recorded(out)
     assert after["val"] == [s for s in before["val"] if s[0] not in gone]
     assert after["train"] == [s for s in before["train"] if s[0] not in gone]
@@ -99,9 +100,9 @@ def test_a_moved_folder_is_followed_when_the_user_says_so(tmp_path):
     moved = tmp_path / "elsewhere" / "flowers"
     moved.parent.mkdir()
     data.rename(moved)
-    refused = train("single", out, "--epochs", "2", "--resume", "auto", data=moved)
+    refused = train("single", out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", data=moved)
     assert refused.returncode == 2 and "--data-moved" in refused.stderr
-    result = ok(train("single", out, "--epochs", "2", "--resume", "auto", "--data-moved", data=moved))
+    result = ok(train("single", out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", "--data-moved", data=moved))
     assert f"the run's files are read under {moved}" in result.stdout
     after = recorded(out)
     assert after["data_path"] == str(moved.resolve())
@@ -112,14 +113,15 @@ def test_a_moved_folder_is_followed_when_the_user_says_so(tmp_path):
 def test_a_run_folder_from_before_split_json_resumes_with_a_warning(tmp_path):
     data, out = started(tmp_path)
     (out / SPLIT_FILE).unlink()
-    result = ok(train("single", out, "--epochs", "2", "--resume", "auto", data=data))
+    result = ok(train("single", out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", data=data))
     assert "does not exist (a run folder from before runs recorded their files)" in result.stdout
     assert [r["epoch"] for r in metrics(out)] == [1, 2]
 
 
 def test_an_elastic_restart_keeps_its_split_while_the_folder_grows(tmp_path):
     """kill -9 a torchrun worker after the folder gained photos: torchrun restarts the group,
-    which resumes from last.pth on the recorded files, not on a fresh split of the folder."""
+    which resumes from last.pth on the recorded files, not on a fresh split of the folder, and
+    finishes every epoch; metrics.jsonl holds each epoch once."""
     data = copy_sample(tmp_path / "data")
     out = tmp_path / "run"
     proc, marker = start_job("launch", out, "--epochs", "3", "--resume", "auto", data=data, max_restarts=1)
