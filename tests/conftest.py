@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -100,6 +101,29 @@ def train(launcher: str, out: Path, *extra: str, nproc: int = 1, data: Path = SA
           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = launcher_cmd(launcher, nproc) + ["--data-path", str(data), "--output-dir", str(out), *FAST, *extra]
     return run_cli(cmd, timeout=timeout, env=env)
+
+
+def train_here(out: Path, *extra: str, data: Path = SAMPLE) -> subprocess.CompletedProcess:
+    """train_single_gpu.py's main() in this process, its output and exit code as train() gives
+    them: for the tests of what a run reads and records, where the process is not under test, it
+    saves the 3 s an interpreter takes to import torch and torchvision."""
+    import train_single_gpu
+
+    argv = ["--data-path", str(data), "--output-dir", str(out), *FAST, *extra]
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    saved_env = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            call_main(train_single_gpu.main, argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        if saved_env is None:
+            os.environ.pop("TQDM_DISABLE")
+        else:
+            os.environ["TQDM_DISABLE"] = saved_env
+    return subprocess.CompletedProcess(["train_single_gpu.py", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

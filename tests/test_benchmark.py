@@ -229,7 +229,7 @@ def test_accuracy_under_time_budgets(tmp_path):
     """The budget mode, tiny: the seed recipe's run times the budget; ours trains under
     --time-budget alone (no --epochs), given that time. (The shares and names are the test above.)"""
     out = tmp_path / "budgets.json"
-    ok(run_cli([*BENCHMARKS, "accuracy", *TINY, "--epochs", "2", "--out", str(out), "--batch-size", "8",
+    ok(run_cli([*BENCHMARKS, "accuracy", *TINY, "--epochs", "1", "--out", str(out), "--batch-size", "8",
                 "--seeds", "3", "--budgets", "1", "--runs-dir", str(tmp_path / "runs")], timeout=300))
     data = json.loads(out.read_text())
     assert set(data["runs"]) == {"seed", "ours @1"}
@@ -242,7 +242,7 @@ def test_accuracy_under_time_budgets(tmp_path):
     check_png(out.with_suffix(".png"))
     # Screening: the seed recipe's run read back from that result, not trained again.
     again = tmp_path / "again.json"
-    screened = ok(run_cli([*BENCHMARKS, "accuracy", *TINY, "--epochs", "2", "--out", str(again), "--batch-size", "8",
+    screened = ok(run_cli([*BENCHMARKS, "accuracy", *TINY, "--epochs", "1", "--out", str(again), "--batch-size", "8",
                            "--seeds", "3", "--budgets", "0.5", "--seed-runs", str(out),
                            "--runs-dir", str(tmp_path / "again")], timeout=300))
     assert "seed epoch" not in screened.stdout

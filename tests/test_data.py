@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, SAMPLE, args_for, copy_sample, metrics, ok, train
+from conftest import REPO, SAMPLE, args_for, copy_sample, metrics, ok, train_here
 from PIL import Image
 from torchvision.transforms import v2
 
@@ -179,7 +179,7 @@ def test_training_on_a_folder_of_odd_and_broken_images(tmp_path):
     shutil.copy(A_JPEG, data / "roses" / ".hidden.jpg")
     (data / "roses" / "notes.txt").write_text("ignored")
     out = tmp_path / "run"
-    result = ok(train("single", out, "--epochs", "1", data=data))
+    result = ok(train_here(out, "--epochs", "1", data=data))
     for name in broken:
         assert f"leaving out {data / 'roses' / name}" in result.stdout
     record = metrics(out)[0]

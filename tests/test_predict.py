@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SAMPLE, call_main, copy_sample, metrics, ok, run_cli, train, user_error
+from conftest import SAMPLE, call_main, copy_sample, metrics, ok, run_cli, train_here, user_error
 
 import predict
 from multi_train_utils.checkpoint import load_checkpoint
@@ -23,7 +23,7 @@ A_JPEG = {name: str(min((SAMPLE / name).glob("*.jpg"))) for name in CLASSES}
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    ok(train("single", out, "--epochs", "1"))
+    ok(train_here(out, "--epochs", "1"))
     return out / "best.pth"
 
 

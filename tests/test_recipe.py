@@ -10,7 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 import torch.distributed as dist
 import torchvision
-from conftest import FAST, SAMPLE, args_for, metrics, ok, sample_batch, train, user_error
+from conftest import FAST, SAMPLE, args_for, metrics, ok, sample_batch, train, train_here, user_error
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torchvision.transforms import v2
 
@@ -182,7 +182,7 @@ def test_a_run_with_another_model_an_average_and_mirror_evaluation(tmp_path, cap
     that model; resuming it as another model is refused."""
     out = tmp_path / "run"
     recipe = ["--model", "resnet18", "--blurpool", "--ema", "--ema-decay", "0.9", "--tta", "--val-img-size", "40"]
-    result = ok(train("single", out, "--epochs", "2", *recipe))
+    result = ok(train_here(out, "--epochs", "2", *recipe))
     ckpt = load_checkpoint(out / "best.pth")
     assert ckpt["args"]["model"] == "resnet18" and ckpt["better"] in ("model", "ema")
     assert not torch.equal(ckpt["ema"]["conv1.weight"], ckpt["model"]["conv1.weight"])
@@ -196,7 +196,7 @@ def test_a_run_with_another_model_an_average_and_mirror_evaluation(tmp_path, cap
     assert isinstance(rebuilt.layer2[0].conv1, BlurConv2d)
     # --eval-only gives the count the run logged for the weights best.pth ships
     shipped = f"{'ema_' if ckpt['better'] == 'ema' else ''}val_correct"
-    ok(train("single", tmp_path / "eval", "--eval-only", "--resume", str(out / "best.pth"), *recipe))
+    ok(train_here(tmp_path / "eval", "--eval-only", "--resume", str(out / "best.pth"), *recipe))
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["val_correct"] == best[shipped]
     assert eval_img_size(ckpt["args"]) == 40 and predict.load_classifier(str(out / "best.pth"), CPU).img_size == 40
     line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path / "other"),
@@ -327,7 +327,7 @@ def test_recalibrated_statistics_are_what_the_checkpoint_ships(tmp_path):
     the checkpoint holds those, which a resumed run goes on from."""
     recipe = ["--bn-recalibrate", "24", "--val-img-size", "40", "--flip", "alternate"]
     whole, plain, rest = tmp_path / "whole", tmp_path / "plain", tmp_path / "eval"
-    ok(train("single", whole, "--epochs", "1", *recipe))
+    ok(train_here(whole, "--epochs", "1", *recipe))
     ckpt = load_checkpoint(whole / "best.pth")
     stats = ckpt["evaluated_bn"]
     assert stats and not torch.equal(stats["bn1.running_mean"], ckpt["model"]["bn1.running_mean"])
@@ -339,7 +339,7 @@ def test_recalibrated_statistics_are_what_the_checkpoint_ships(tmp_path):
         ok(train(launcher, rest, "--eval-only", "--resume", str(whole / "best.pth"), "--val-img-size", "40", *again,
                  nproc=nproc))
         assert json.loads((rest / "eval.json").read_text())["val_correct"] == best["val_correct"]
-    ok(train("single", plain, "--epochs", "1", *recipe[2:]))
+    ok(train_here(plain, "--epochs", "1", *recipe[2:]))
     trained, recalibrated = load_checkpoint(plain / "last.pth"), load_checkpoint(whole / "last.pth")
     assert "evaluated_bn" not in trained
     assert all(torch.equal(v, recalibrated["model"][k]) for k, v in trained["model"].items())

@@ -16,6 +16,7 @@ from conftest import (
     ok,
     start_job,
     train,
+    train_here,
     wait_for_epochs,
 )
 
@@ -32,7 +33,10 @@ def started(tmp_path: Path, launcher: str = "single", nproc: int = 1) -> tuple[P
     """A copy of the sample, and a run of one epoch on it."""
     data = copy_sample(tmp_path / "data")
     out = tmp_path / "run"
-    ok(train(launcher, out, *SMALL_MODEL, "--epochs", "1", nproc=nproc, data=data))
+    if launcher == "single":
+        ok(train_here(out, *SMALL_MODEL, "--epochs", "1", data=data))
+    else:
+        ok(train(launcher, out, *SMALL_MODEL, "--epochs", "1", nproc=nproc, data=data))
     return data, out
 
 
@@ -71,7 +75,7 @@ def test_photos_removed_after_the_start_stop_the_resume_and_nothing_is_overwritt
     data, out = started(tmp_path)
     files = {name: (out / name).read_bytes() for name in (SPLIT_FILE, "last.pth", "metrics.jsonl")}
     gone = shrink(out)
-    result = train("single", out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", data=data)
+    result = train_here(out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", data=data)
     assert result.returncode == 2, result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.strip()]
     assert line.startswith("error: 3 of the run's 120 files are gone or no longer decode")
@@ -84,7 +88,7 @@ def test_drop_missing_goes_on_without_them_and_keeps_the_rest_of_the_split(tmp_p
     before = recorded(out)
     gone = set(shrink(out))
     grow(data)
-    result = ok(train("single", out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", "--drop-missing", data=data))
+    result = ok(train_here(out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", "--drop-missing", data=data))
     after = recorded(out)
     assert after["val"] == [s for s in before["val"] if s[0] not in gone]
     assert after["train"] == [s for s in before["train"] if s[0] not in gone]
@@ -100,9 +104,9 @@ def test_a_moved_folder_is_followed_when_the_user_says_so(tmp_path):
     moved = tmp_path / "elsewhere" / "flowers"
     moved.parent.mkdir()
     data.rename(moved)
-    refused = train("single", out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", data=moved)
+    refused = train_here(out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", data=moved)
     assert refused.returncode == 2 and "--data-moved" in refused.stderr
-    result = ok(train("single", out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", "--data-moved", data=moved))
+    result = ok(train_here(out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", "--data-moved", data=moved))
     assert f"the run's files are read under {moved}" in result.stdout
     after = recorded(out)
     assert after["data_path"] == str(moved.resolve())
@@ -113,7 +117,7 @@ def test_a_moved_folder_is_followed_when_the_user_says_so(tmp_path):
 def test_a_run_folder_from_before_split_json_resumes_with_a_warning(tmp_path):
     data, out = started(tmp_path)
     (out / SPLIT_FILE).unlink()
-    result = ok(train("single", out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", data=data))
+    result = ok(train_here(out, *SMALL_MODEL, "--epochs", "2", "--resume", "auto", data=data))
     assert "does not exist (a run folder from before runs recorded their files)" in result.stdout
     assert [r["epoch"] for r in metrics(out)] == [1, 2]
 
