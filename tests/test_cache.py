@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import SAMPLE, kill_group, metrics, ok, processes_with_marker, start_job, train, wait_for_epochs
+from conftest import SAMPLE, kill_group, metrics, ok, processes_with_marker, start_job, train_here, wait_for_epochs
 
 from multi_train_utils import image_cache
 from multi_train_utils.distributed_utils import DistContext, setup_process_group, teardown
@@ -105,7 +105,7 @@ def test_one_copy_per_machine_whatever_the_world_size(tmp_path):
 
 @pytest.mark.slow
 def test_training_with_cache_counts_every_image_once(tmp_path):
-    ok(train("single", tmp_path, "--epochs", "1", "--cache", "--img-size", "48"))
+    ok(train_here(tmp_path, "--epochs", "1", "--cache", "--img-size", "48"))
     record = metrics(tmp_path)[0]
     assert record["train_total"] == 95 and record["val_total"] == 25
     assert record["train_seen"] == 88  # 11 batches of 8: the last 7 images of the shuffle are dropped
