@@ -81,7 +81,8 @@ def test_evaluation_and_report_are_exact_on_any_world_size(runs, tmp_path):
     """A run's best checkpoint, evaluated again by 1, 2 or 3 processes over 25 validation images
     (which neither 2 nor 3 divides), gives exactly what the run itself reported: the accuracy and
     loss of that epoch, and the whole evaluation report, which the run made from the outputs its
-    best epoch's evaluation kept (with 1, 2 and 3 processes of its own)."""
+    best epoch's evaluation kept (a run of 2 processes and one of 3; an evaluation in 1 process
+    makes its report as a 1-process run does)."""
     for trained, evaluations in (("launch", ((1, "single"), (2, "launch"), (3, "spawn"))),
                                  ("spawn", ((1, "single"),))):
         out, _ = runs[trained]
