@@ -15,7 +15,7 @@ the line of every photo kept, renamed where the file was. A photo the source's L
 not credit is an error. Without a LICENSE.txt in SOURCE none is written, and the command says
 so: crediting the photos is then up to you.
 
-Needs only Pillow and the standard library. The quick-start sample, data/flower_photos_quick/,
+Lists and decodes photos as training does (utils.image_files, utils.load_rgb). The quick-start sample, data/flower_photos_quick/,
 was made from 800 development photos of `flower_photos` (160 per class; short sides 143
 to 425 px) with:
 
@@ -35,11 +35,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from PIL import Image, ImageOps
+from PIL import Image
 
-# The same as utils.IMG_EXTENSIONS (tests/test_make_sample.py checks), repeated so that this
-# command needs nothing but Pillow.
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+from utils import IMG_EXTENSIONS, image_files, load_rgb
+
 LICENSE_FILE = "LICENSE.txt"
 # A credit line starts with the photo's path below the data folder: `class/file.ext ...`.
 CREDIT_LINE = re.compile(r"^(\S+/\S+\.\w+)(\s.*)$")
@@ -57,12 +56,7 @@ def class_photos(source: Path) -> dict[str, list[str]]:
     classes = sorted(d.name for d in source.iterdir() if d.is_dir() and not d.name.startswith("."))
     photos: dict[str, list[str]] = {}
     for name in classes:
-        found = []
-        for dirpath, dirnames, filenames in os.walk(source / name):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            rel = Path(dirpath).relative_to(source / name)
-            found += [(rel / f).as_posix() for f in filenames
-                      if not f.startswith(".") and f.lower().endswith(IMG_EXTENSIONS)]
+        found = [Path(p).relative_to(source / name).as_posix() for p in image_files(source / name)]
         if found:
             photos[name] = sorted(found)
     if not photos:
@@ -73,7 +67,7 @@ def class_photos(source: Path) -> dict[str, list[str]]:
 
 def choose(files: list[str], per_class: int, seed: int, class_name: str) -> list[str]:
     """`per_class` of `files`, the same for the same seed and class whatever the other classes."""
-    return sorted(random.Random(f"{seed}:{class_name}").sample(sorted(files), per_class))
+    return sorted(random.Random(f"{seed}:{class_name}").sample(files, per_class))
 
 
 def read_license(path: Path) -> tuple[list[str], dict[str, str]]:
@@ -109,14 +103,7 @@ def output_names(chosen: list[str]) -> dict[str, str]:
 
 def shrink(path: Path, short_side: int) -> Image.Image:
     """The photo upright, in RGB, its short side `short_side` px (smaller photos kept as they are)."""
-    with Image.open(path) as img:
-        img = ImageOps.exif_transpose(img)  # also decodes
-    if img.mode.startswith("I;16"):
-        img = img.convert("I").point(lambda v: v * (1 / 257)).convert("L")
-    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
-        rgba = img.convert("RGBA")  # transparent pixels go on white
-        img = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
-    img = img.convert("RGB")
+    img = load_rgb(str(path))  # as training decodes it: upright, 16-bit grey scaled, transparency on white
     width, height = img.size
     if min(width, height) > short_side:
         scale = short_side / min(width, height)

@@ -255,7 +255,7 @@ def check(plan: Plan, rdzv: Rendezvous | None) -> int:
                                   plan.args.device, plan.args.backend, timeout, rdzv.store_address,
                                   report_every_s=max(1.0, timeout / 4), advice="")
     except RendezvousIncomplete as e:
-        if rank != 0 and "rank 0 stopped the job" in str(e):
+        if e.by_rank_0:
             ended_by_rank_0(rank, "at the rendezvous")
         give_up(rank, alone + local_rows(facts), Row(
             "rendezvous", FAIL, str(e), "start the missing processes; the same command with --check on each "

@@ -268,7 +268,7 @@ LOST_CONNECTION = re.compile(r"Connection (closed|reset) by peer|Broken pipe|rem
 
 def lost_connection(error: BaseException) -> bool:
     """Whether `error`, from a collective or the store, says that the connection to a peer broke."""
-    return isinstance(error, (RuntimeError, dist.DistError)) and bool(LOST_CONNECTION.search(str(error)))
+    return isinstance(error, RuntimeError) and bool(LOST_CONNECTION.search(str(error)))
 
 
 def raise_together(problem: str | None, ctx: DistContext) -> None:

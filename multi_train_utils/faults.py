@@ -15,7 +15,6 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch.distributed as dist
 
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.distributed_utils import DistContext, lost_connection
@@ -35,7 +34,7 @@ def named_faults(output_dir: Path, ctx: DistContext) -> Iterator[None]:
     except CheckpointWriteFailed as e:
         show_traceback(e)
         raise RunBroken(f"{e}: the run stops. {what_holds(output_dir, ctx)}") from None
-    except (RuntimeError, dist.DistError) as e:
+    except RuntimeError as e:  # dist.DistError and its kinds are RuntimeErrors too
         who = f"rank {ctx.rank} on {socket.gethostname()}: " if ctx.distributed else ""
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if first_line.startswith("DataLoader worker"):

@@ -50,6 +50,8 @@ class Rendezvous:
 class RendezvousIncomplete(ProjectError):
     """Some processes of the job never joined (or never reached the store) in time: exit code 1."""
 
+    by_rank_0 = False  # True where this process learned it from rank 0's word, not by itself
+
 
 class RendezvousMismatch(RendezvousIncomplete):
     """The processes disagree on who they are: the world size, or two claiming one rank."""
@@ -178,8 +180,10 @@ def wait_for_ranks(store: dist.Store, rank: int, world_size: int, local_world_si
         word = word_of_rank_0(store, rank, where, timeout_s, report_every_s)
         store.add("word-read", 1)
         if word != GO:
-            raise (RendezvousMismatch if word.startswith(MISMATCH) else RendezvousIncomplete)(
+            error = (RendezvousMismatch if word.startswith(MISMATCH) else RendezvousIncomplete)(
                 f"rank {rank} on {socket.gethostname()}: rank 0 stopped the job at the rendezvous: {word}")
+            error.by_rank_0 = True
+            raise error
         return
     started = time.monotonic()
     next_report = started + min(FIRST_JOIN_REPORT_SECONDS, report_every_s)

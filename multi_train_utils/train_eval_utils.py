@@ -144,7 +144,6 @@ class Training:
     schedule: Schedule
     steps_per_epoch: int  # optimizer steps
     global_batch: int  # images per optimizer step, over all processes and accumulated batches
-    seed: int = 0
     mix: BatchMix | None = None  # MixUp/CutMix
     clip_grad_norm: float | None = None
     ema: WeightAverage | None = None
@@ -175,7 +174,7 @@ def build_training(placed: PlacedModel, args: argparse.Namespace, ctx: DistConte
     return Training(placed, model, build_optimizer(placed.module, args), scaler,
                     nn.CrossEntropyLoss(label_smoothing=args.label_smoothing),
                     build_schedule(args, peak_lr(args, ctx), steps_per_epoch), steps_per_epoch,
-                    global_batch(args, ctx), args.seed, build_mix(args, placed.module),
+                    global_batch(args, ctx), build_mix(args, placed.module),
                     args.clip_grad_norm, WeightAverage(placed.module, args.ema_decay) if args.ema else None,
                     args.accum_steps)
 

@@ -11,7 +11,6 @@ from conftest import REPO
 from PIL import Image
 
 import make_sample
-import utils
 
 HEADER = ["All images in this archive are licensed under the Creative Commons By-Attribution License, available at:",
           "https://creativecommons.org/licenses/by/2.0/",
@@ -169,10 +168,6 @@ def test_the_command_line(tmp_path):
                           str(tmp_path / "out2"), "--per-class", "2", "--short-side", "16"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("make_sample.py: error: ") and "Traceback" not in bad.stderr
-
-
-def test_it_knows_the_same_image_files_as_training():
-    assert make_sample.IMG_EXTENSIONS == utils.IMG_EXTENSIONS
 
 
 def test_the_bundled_quick_start_sample_is_what_the_docstring_says():
