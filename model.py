@@ -188,9 +188,9 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
         return out.to(in_dtype)
 
 
-def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
-    if device.type != "cpu":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+def cpu_sync_batchnorm(model: nn.Module) -> nn.Module:
+    """`model` with each BatchNorm2d swapped for a CPUSyncBatchNorm of the same state: what
+    torch.nn.SyncBatchNorm.convert_sync_batchnorm does for GPUs, for a CPU (gloo) job."""
     for name, child in model.named_children():
         if type(child) is nn.BatchNorm2d:
             sync = CPUSyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats)
@@ -201,7 +201,7 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
                 sync.bias.requires_grad_(child.bias.requires_grad)
             setattr(model, name, sync)
         else:
-            convert_sync_batchnorm(child, device)
+            cpu_sync_batchnorm(child)
     return model
 
 

@@ -203,7 +203,7 @@ class PixelCache(Protocol):
 class MyDataSet(Dataset):
     """(image, label) pairs from a list of (path, label).
 
-    A key is either an index or an (epoch, index) pair from `EpochSampler`, or an (epoch,
+    A key is either an index or an (epoch, index) pair from `EpochKeys`, or an (epoch,
     index, crop size) triple. For a pair, the transform is that epoch's where `transform` is a
     TrainTransforms (for a triple, that size's), and
     the random augmentation is seeded by (seed, epoch, index): the same image gets the same crop
@@ -327,30 +327,35 @@ class DeviceCrops:
         return normalize(crops)
 
 
-class EpochSampler(Sampler[tuple[int, int]]):
-    """A DistributedSampler whose indices carry the epoch, for `MyDataSet`'s seeding. An epoch
-    can start part-way, after the samples a stopped run already trained on."""
+class EpochKeys(Sampler[tuple[int, int]]):
+    """The indices of a DistributedSampler (or any sampler with an `epoch`, which its
+    set_epoch() sets) as (epoch, index) keys, for `MyDataSet`'s seeding: a loader worker, forked
+    once, learns each epoch from its keys. A resumed epoch's pass begins after the samples a
+    stopped run trained on (`skip_next_pass`)."""
 
     def __init__(self, sampler: DistributedSampler):
         self.sampler = sampler
-        self.epoch = 0
         self.skip = 0
         # Set by a run that sizes progressive resizing once it knows its epoch count
         # (--time-budget): the keys then carry the epoch's crop size to the loader workers,
         # whose copies of the dataset were made before the count was known.
         self.sizes: SizeSchedule | None = None
 
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        self.epoch = epoch
-        self.skip = skip
-        self.sampler.set_epoch(epoch)
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        indices = itertools.islice(self.sampler, self.skip, None)
+    def skip_next_pass(self, samples: int) -> None:
+        """The next pass leaves out its first `samples` indices (those trained before a stop)."""
+        self.skip = samples
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        skip, self.skip = self.skip, 0
+        epoch, indices = self.epoch, itertools.islice(self.sampler, skip, None)
         if self.sizes is None:
-            return ((self.epoch, i) for i in indices)
-        size = self.sizes(self.epoch)
-        return ((self.epoch, i, size) for i in indices)
+            return ((epoch, i) for i in indices)
+        size = self.sizes(epoch)
+        return ((epoch, i, size) for i in indices)
 
     def __len__(self) -> int:
         return max(0, len(self.sampler) - self.skip)

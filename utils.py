@@ -14,6 +14,7 @@ import random
 import shutil
 import stat
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -72,18 +73,41 @@ def stderr_line(text: str) -> None:
 
 
 @contextlib.contextmanager
-def exit_on_error() -> Iterator[None]:
+def exit_on_error(rank: int | None = None) -> Iterator[None]:
     """Turn our own errors into one `error:` line and an exit code, without a traceback; and
-    let the process end quickly (skip_collection_at_exit)."""
+    let the process end quickly (skip_collection_at_exit). Under torchrun the line is also
+    torchrun's error file, which its failure summary shows. `rank`: a process of a job that
+    mp.spawn started, whose other errors keep their traceback (mp.spawn shows the first it
+    notices, often a rank that only lost its peer) and get a line of their own first, naming
+    the rank, so that the first cause stays on screen."""
     skip_collection_at_exit()
     try:
         yield
     except ProjectError as e:
         stderr_line(f"{e.prefix}: {e}")
+        record_for_torchrun(e)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         stderr_line("interrupted")
         sys.exit(130)  # the shell's code for "ended by SIGINT"
+    except Exception as e:
+        if rank is not None:
+            stderr_line(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+
+
+def record_for_torchrun(error: ProjectError) -> None:
+    """Write `error` where torchrun's agent reads a worker's failure (TORCHELASTIC_ERROR_FILE,
+    set for each worker), in the form torch's own ErrorHandler writes, so that its summary names
+    the cause instead of "exitcode: 1" (the one line, not a traceback)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or error.exit_code == 75:  # a preemption is no failure to summarise
+        return
+    with contextlib.suppress(OSError):
+        with open(path, "w") as f:
+            json.dump({"message": {"message": f"{type(error).__name__}: {error}",
+                                   "extraInfo": {"py_callstack": f"{error.prefix}: {error}",
+                                                 "timestamp": str(int(time.time()))}}}, f)
 
 
 def skip_collection_at_exit() -> None:

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import torch
+from torch import nn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
@@ -17,7 +18,8 @@ from benchmarks.instruments import Run, write_result
 from benchmarks.ours_recipe import ours_plan
 from model import model_for
 from multi_train_utils.distributed_utils import setup_single
-from multi_train_utils.train_eval_utils import build_training, place_model, train_one_epoch
+from multi_train_utils.progress import Progress
+from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
 
 # A kernel's (or, on the CPU, an operator's) kind, by the first words found in its name, in
 # this order: cuDNN's BatchNorm kernels are named bn_*, its convolutions *fprop*/*dgrad*/*wgrad*.
@@ -62,8 +64,10 @@ def profile_steps(args: argparse.Namespace) -> dict[str, Any]:
     plan = ours_plan(args.data_path, args.img_size, args.batch_size, device_option + args.options)
     ctx = setup_single(args.device)
     torch.manual_seed(0)
-    placed = place_model(model_for(plan.args, len(plan.class_names)), plan.args, ctx.device)
-    training = build_training(placed, plan.args, ctx, batches_per_epoch=args.steps)
+    model = model_for(plan.args, len(plan.class_names))
+    placed = place_model(model, plan.args, ctx.device)
+    optimizer, scaler, _ = build_optimizer(model, plan.args, ctx.device)
+    criterion = nn.CrossEntropyLoss(label_smoothing=plan.args.label_smoothing)
     shape = (args.batch_size, 3, args.img_size, args.img_size)
     batch = (torch.randint(256, shape, dtype=torch.uint8, device=ctx.device).contiguous(memory_format=placed.memory_format),
              torch.randint(len(plan.class_names), (args.batch_size,), device=ctx.device))
@@ -74,7 +78,8 @@ def profile_steps(args: argparse.Namespace) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        train_one_epoch(training, [batch] * count, ctx, 1, 1)  # ends with a host read: the work is done
+        # ends with a host read: the work is done
+        train_one_epoch(model, criterion, optimizer, scaler, [batch] * count, 1, Progress(), plan.args, ctx)
         return time.perf_counter() - started
 
     steps(args.warmup)  # autotuning, compilation

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
@@ -25,19 +26,20 @@ from benchmarks.instruments import MemorySampler, Run, StepTimer, data_of_size, 
 from benchmarks.ours_recipe import OURS_OPTIONS, SAME_SYNTHETIC_AS_OURS, missing_option, ours_plan
 from benchmarks.seed_recipe import seed_loader, seed_model_and_optimizer, seed_train_one_epoch, seed_transforms
 from benchmarks.throughput_report import plot_throughput, summarise, throughput_table
-from model import convert_sync_batchnorm, model_for
+from model import cpu_sync_batchnorm, model_for
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import (
     DistContext,
     gather_objects,
-    setup_process_group,
+    init_distributed,
     setup_single,
     stop,
     teardown,
 )
-from multi_train_utils.rendezvous import host_store, keep_gloo_on_loopback
-from multi_train_utils.loaders import build_loaders, readable_split
-from multi_train_utils.train_eval_utils import build_training, place_model, train_one_epoch
+from multi_train_utils.rendezvous import Rendezvous, keep_gloo_on_loopback, store_listening_on
+from multi_train_utils.loaders import loaders_of, readable_split
+from multi_train_utils.progress import Progress
+from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
 from utils import DataSplit, UserError, exit_on_error
 
 JOB_TIMEOUT_SECONDS = 1200  # one measurement; a hung process group must not stall the whole benchmark
@@ -100,18 +102,20 @@ def build_trainer(job: Job, ctx: DistContext) -> Trainer:
                        loader, sampler.set_epoch if sampler else _no_epoch)
 
     # Ours, assembled as the launchers assemble it.
-    loader = build_loaders(split, job.plan, ctx)[0] if real else None
+    loader, _, sampler = loaders_of(split, job.plan, ctx) if real else (None, None, None)
     torch.manual_seed(args.seed)
     model = model_for(args, len(split.class_names))
     placed = place_model(model, args, ctx.device)
     if args.sync_bn and ctx.distributed:
-        placed = placed.with_module(convert_sync_batchnorm(placed.module, ctx.device))
-    wrapped = DDP(placed.module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None) \
-        if ctx.distributed else None
-    batches_per_epoch = max(1, len(split.train) // (args.batch_size * ctx.world_size))
-    training = build_training(placed, args, ctx, batches_per_epoch, wrapped)
-    return Trainer(lambda batches: train_one_epoch(training, batches, ctx, 1, 1), placed.memory_format, loader,
-                   loader.sampler.set_epoch if loader else _no_epoch)
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if ctx.device.type == "cuda" else cpu_sync_batchnorm(model)
+    wrapped = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None) \
+        if ctx.distributed else model
+    optimizer, scaler, _ = build_optimizer(model, args, ctx.device)
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    # The schedule's length: the epoch an epoch of this many batches would be (its shape only).
+    progress = Progress(last_epoch=1)
+    return Trainer(lambda batches: train_one_epoch(wrapped, criterion, optimizer, scaler, batches, 1, progress, args, ctx),
+                   placed.memory_format, loader, sampler.set_epoch if sampler else _no_epoch)
 
 
 def _no_epoch(epoch: int) -> None:
@@ -184,7 +188,8 @@ def _rank_main(rank: int, job: Job, store_address: tuple[str, int] | None) -> No
             if job.world_size == 1:
                 ctx = setup_single(None)
             else:
-                ctx = setup_process_group(rank, rank, job.world_size, job.world_size, None, None, 600, store_address)
+                ctx = init_distributed(Rendezvous(rank, rank, job.world_size, job.world_size, store_address), None,
+                                       None, 600)
             per_rank = gather_objects(measure(job, ctx), ctx)
             if ctx.is_main:
                 Path(job.result_path).write_text(json.dumps({"ranks": per_rank, "device": str(ctx.device),
@@ -205,7 +210,7 @@ def _run_processes(job: Job, in_process: bool) -> MemorySampler:
         return sampler
     store_address = None
     if job.world_size > 1:
-        store = host_store("127.0.0.1", 0, 600)
+        store = store_listening_on("127.0.0.1", 0, 600)
         store_address = ("127.0.0.1", store.port)
         keep_gloo_on_loopback("127.0.0.1")  # inherited by the spawned ranks
     context = mp.spawn(_rank_main, args=(job, store_address), nprocs=job.world_size, join=False)

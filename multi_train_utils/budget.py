@@ -103,3 +103,4 @@ def room_for_another(seconds: float, used: float, slowest_train: float) -> bool:
     only when its training, as long as the slowest so far, ends within the budget (its
     evaluation may run past it)."""
     return used + slowest_train <= seconds
+

@@ -11,6 +11,7 @@ The verdicts and the table are check_rows.py's.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import math
 import os
@@ -26,6 +27,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from model import model_for
 from multi_train_utils.config import Plan
@@ -52,8 +54,8 @@ from multi_train_utils.distributed_utils import (
     broadcast_object,
     gather_objects,
     lost_connection,
+    init_distributed,
     parse_device,
-    setup_process_group,
     setup_single,
     teardown,
 )
@@ -65,7 +67,8 @@ from multi_train_utils.rendezvous import (
     socket_interface_problem,
 )
 from multi_train_utils.run_folder import prepare_output_dir
-from multi_train_utils.train_eval_utils import build_training, place_model, train_one_epoch
+from multi_train_utils.progress import Progress
+from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
 from my_dataset import cache_short_side, default_workers
 from utils import stderr_line
 
@@ -215,15 +218,17 @@ def time_training_step(plan: Plan, device: torch.device) -> tuple[float, int]:
     args = plan.args
     classes = max(2, len({label for _, label in plan.samples}))
     torch.manual_seed(args.seed)
-    placed = place_model(model_for(args, classes), args, device)
+    model = model_for(args, classes)
+    place_model(model, args, device)
     ctx = DistContext.single(device)
-    training = build_training(placed, args, ctx, batches_per_epoch=1)
+    optimizer, scaler, _ = build_optimizer(model, args, device)
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     batch = [(torch.randint(0, 256, (args.batch_size, 3, args.img_size, args.img_size), dtype=torch.uint8),
               torch.randint(0, classes, (args.batch_size,)))]
-    train_one_epoch(training, batch, ctx, 1, 1)  # warm-up: kernels chosen, memory allocated
-    started = time.perf_counter()
-    train_one_epoch(training, batch, ctx, 1, 1)  # ends with a host sync
-    grad_bytes = sum(p.numel() * p.element_size() for p in placed.module.parameters() if p.requires_grad)
+    for _ in range(2):  # the first a warm-up (kernels chosen, memory allocated), the second timed
+        started = time.perf_counter()
+        train_one_epoch(model, criterion, optimizer, scaler, batch, 1, Progress(), args, ctx)  # ends with a host sync
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return time.perf_counter() - started, grad_bytes
 
 
@@ -251,12 +256,11 @@ def check(plan: Plan, rdzv: Rendezvous | None) -> int:
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P,NET", NCCL_DEBUG_FILE=transport_log)
     try:
         # The waiting is shown a few times within the timeout, and the missing named at its end.
-        ctx = setup_process_group(rdzv.rank, rdzv.local_rank, rdzv.world_size, rdzv.local_world_size,
-                                  plan.args.device, plan.args.backend, timeout, rdzv.store_address,
-                                  report_every_s=max(1.0, timeout / 4), advice="")
+        ctx = init_distributed(rdzv, plan.args.device, plan.args.backend, timeout,
+                               report_every_s=max(1.0, timeout / 4), advice="")
     except RendezvousIncomplete as e:
         if e.by_rank_0:
-            ended_by_rank_0(rank, "at the rendezvous")
+            ended_by_rank_0(rank, "at the rendezvous", e.word)
         give_up(rank, alone + local_rows(facts), Row(
             "rendezvous", FAIL, str(e), "start the missing processes; the same command with --check on each "
             "node shows what that node lacks (docs/troubleshooting.md)"))
@@ -290,14 +294,17 @@ def give_up(rank: int, rows: list[Row], reason: Row) -> NoReturn:
     if rank == 0:
         report(rows + ([] if reason in rows else [reason]))
     sys.stdout.flush()
+    remove_left_behind()
     os._exit(1)
 
 
-def ended_by_rank_0(rank: int, when: str) -> NoReturn:
-    """A rank other than 0, whose check rank 0 ended: one line that points at rank 0's table."""
-    stderr_line(f"rank {rank} on {socket.gethostname()}: rank 0 ended the check {when}; its table, in rank 0's "
-                "output, says why")
+def ended_by_rank_0(rank: int, when: str, why: str = "") -> NoReturn:
+    """A rank other than 0, whose check rank 0 ended: one line with rank 0's word why, where it
+    has one (rank 0's output may be on another machine), and where its table is."""
+    said = f": {why}" if why else "; its table, in rank 0's output, says why"
+    stderr_line(f"rank {rank} on {socket.gethostname()}: rank 0 ended the check {when}{said}")
     sys.stdout.flush()
+    remove_left_behind()
     os._exit(1)
 
 
@@ -321,10 +328,25 @@ def data_row(plan: Plan) -> Row:
 
 
 def nccl_log_file(backend: str) -> str | None:
-    """Where NCCL may write the INFO lines that name its transports: not when the user set NCCL_DEBUG."""
+    """Where NCCL may write the INFO lines that name its transports: a new file of this process's
+    own (a predictable name in a shared folder could be another user's link), removed when the
+    process exits; not when the user set NCCL_DEBUG."""
     if backend != "nccl" or "NCCL_DEBUG" in os.environ:
         return None
-    return f"{tempfile.gettempdir()}/check-nccl-{os.getpid()}.log"
+    fd, path = tempfile.mkstemp(prefix="check-nccl-", suffix=".log")
+    os.close(fd)
+    LEFT_BEHIND.append(path)
+    atexit.register(remove_left_behind)
+    return path
+
+
+# Files of this process's check, removed however it ends (give_up's os._exit skips atexit).
+LEFT_BEHIND: list[str] = []
+
+
+def remove_left_behind() -> None:
+    for path in LEFT_BEHIND:
+        Path(path).unlink(missing_ok=True)
 
 
 def collective_rows(ctx: DistContext, facts: Facts, timeout: float, transport_log: str | None) -> tuple[list[Row], bool]:

@@ -22,37 +22,10 @@ import torch
 from torch import nn
 
 from model import DEFAULT_MODEL, create_model, imagenet_state_dict
+from multi_train_utils.progress import Progress
 from utils import UserError
 
 REQUIRED_KEYS = ("model", "optimizer", "scaler", "epoch", "best_acc", "args", "class_names")
-
-
-@dataclasses.dataclass
-class Progress:
-    """How far a run has come: what a checkpoint records beyond the weights and optimizer."""
-
-    epoch: int = 0  # epochs completed
-    best_acc: float = -1.0
-    # A run stopped inside epoch `epoch + 1` (SIGTERM): the batches each process had trained on
-    # in it (always whole optimizer steps), and its training sums so far (loss, correct,
-    # images) over all processes.
-    steps_in_epoch: int = 0
-    epoch_sums: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    # The epochs the run trains in all, as --time-budget fixed them after epoch 1; None: --epochs.
-    budget_epochs: int | None = None
-    # Seconds of training and evaluation in the finished epochs, and the longest training of
-    # one: a resumed run spends what is left of --time-budget, not the whole of it again.
-    seconds_used: float = 0.0
-    slowest_train: float = 0.0
-
-    def record(self, epoch: int, val_acc: float, train_seconds: float, eval_seconds: float) -> bool:
-        """Note a finished epoch and how long it took; True when its accuracy is the best so far."""
-        self.epoch, self.steps_in_epoch, self.epoch_sums = epoch, 0, (0.0, 0.0, 0.0)
-        self.seconds_used += train_seconds + eval_seconds
-        self.slowest_train = max(self.slowest_train, train_seconds)
-        is_best = val_acc > self.best_acc
-        self.best_acc = max(self.best_acc, val_acc)
-        return is_best
 
 
 def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -77,6 +50,7 @@ def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
         "budget_epochs": progress.budget_epochs,
         "seconds_used": progress.seconds_used,
         "slowest_train": progress.slowest_train,
+        "first_epoch": list(progress.first_epoch) if progress.first_epoch else None,
         "args": vars(args),
         "class_names": class_names,
         "world_size": world_size,  # informative: a checkpoint resumes at any world size
@@ -107,31 +81,18 @@ def model_from_checkpoint(checkpoint: dict[str, Any]) -> nn.Module:
     return model.eval()
 
 
-def restore_weights(checkpoint: dict[str, Any], model: nn.Module, args: argparse.Namespace,
-                    class_names: list[str], source: str) -> None:
-    if checkpoint["class_names"] != class_names:
-        raise UserError(f"{source} was trained on classes {checkpoint['class_names']}, but the data has {class_names}")
+def check_architecture(checkpoint: dict[str, Any], args: argparse.Namespace, source: str) -> None:
+    """A checkpoint's weights fit the model asked for, or a UserError says why not."""
     if architecture(checkpoint) != args.model:
         raise UserError(f"{source} holds a {architecture(checkpoint)}, not the --model {args.model} asked for")
     if blurpool(checkpoint) != args.blurpool:
         trained = "with" if blurpool(checkpoint) else "without"
         raise UserError(f"{source} was trained {trained} --blurpool: give the same model ({trained} --blurpool)")
-    # Evaluating a checkpoint means its shipped weights; continuing one, the trained weights.
-    model.load_state_dict(shipped_weights(checkpoint) if args.eval_only else checkpoint["model"])
 
 
-def restore_progress(checkpoint: dict[str, Any], optimizer: torch.optim.Optimizer,
-                     scaler: torch.amp.GradScaler, ema: nn.Module | None = None) -> Progress:
-    """The optimizer, scaler and weight-average state, and how far the run had come. The
-    learning rate is not taken from the optimizer state: the loop sets it from the step at
-    every step. A run that turns --ema on when it resumes starts the average from the weights."""
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    scaler.load_state_dict(checkpoint["scaler"])
-    if ema is not None:
-        ema.load_state_dict(checkpoint.get("ema", checkpoint["model"]))
-    return Progress(checkpoint["epoch"], checkpoint["best_acc"], checkpoint.get("steps_in_epoch", 0),
-                    tuple(checkpoint.get("epoch_sums", (0.0, 0.0, 0.0))), checkpoint.get("budget_epochs"),
-                    checkpoint.get("seconds_used", 0.0), checkpoint.get("slowest_train", 0.0))
+def check_classes(checkpoint: dict[str, Any], class_names: list[str], source: str) -> None:
+    if checkpoint["class_names"] != class_names:
+        raise UserError(f"{source} was trained on classes {checkpoint['class_names']}, but the data has {class_names}")
 
 
 def snapshot(obj: Any) -> Any:
@@ -185,6 +146,8 @@ def copy_atomic(src: Path, dst: Path) -> None:
         os.link(src, tmp)
     except OSError:
         shutil.copyfile(src, tmp)
+        with open(tmp, "rb+") as f:  # the copy's bytes on disk before the rename makes them best.pth
+            os.fsync(f.fileno())
     os.replace(tmp, dst)
     _fsync_dir(dst.parent)
 

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
+
+import torch
 
 from multi_train_utils.budget import BUDGET_MOST_EPOCHS, DEFAULT_EPOCHS, budget_seconds
 from multi_train_utils.checkpoint import load_checkpoint, read_state_dict
-from multi_train_utils.distributed_utils import DistContext, parse_device
-from multi_train_utils.rendezvous import parse_dist_url
-from multi_train_utils.schedule import global_batch, peak_lr
+from multi_train_utils.distributed_utils import parse_device, resolve_device
+from multi_train_utils.rendezvous import Rendezvous, env_ranks, parse_dist_url
 from model import DEFAULT_MODEL, check_model_name
 from my_dataset import AUTO_AUGMENT, CROP_SCALE
-from utils import DataSplit, Sample, UserError, download_flower_photos, list_images
+from utils import Sample, UserError, download_flower_photos, list_images
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -205,18 +207,60 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What every training process needs before it starts: checked args and the image files."""
+    """What every training process needs before it starts: checked args, the image files, and
+    how many processes the job has (for the torchrun launcher, which one this is)."""
 
     args: argparse.Namespace
     launcher: str
     class_names: list[str]
     samples: list[Sample]
+    world_size: int = 1
+    rendezvous: Rendezvous | None = None  # torchrun's or srun's ranks (the torchrun launcher); None: no job yet
+
+
+def read_command_line(launcher: str, description: str) -> Plan:
+    """The command line of `launcher` ("single", "launch" or "spawn") parsed (--help and a
+    malformed option end here, as argparse ends them), then `prepare`d."""
+    return prepare(get_args_parser(description.splitlines()[0], launcher).parse_args(), launcher)
 
 
 def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Plan:
     """Check the command line and list the images before any collective, so that a user
-    mistake is one clear error in every process, never a hung job. `verbose`: this process
-    may print (the first on its machine)."""
+    mistake is one clear error in every process, never a hung job. The torchrun launcher reads
+    who this process is from torchrun's (or srun's) environment here, and checks --world-size
+    against it; the spawn launcher, how many processes to start. `verbose`: this process may
+    print (the first of each machine does)."""
+    rdzv, world_size = None, 1
+    if launcher == "launch":
+        rdzv = env_ranks(args.local_rank)
+        world_size = rdzv.world_size if rdzv else 1
+        if args.world_size is not None and args.world_size != world_size:
+            raise UserError(f"--world-size is {args.world_size}, but {world_size} process(es) were started: "
+                            "start as many as you ask for (torchrun --nproc_per_node, srun --ntasks), or drop it")
+    if launcher == "spawn":
+        gpus = torch.cuda.device_count() if parse_device(args.device).type == "cuda" else 0
+        world_size = args.world_size or gpus
+        if world_size < 1:
+            raise UserError("no GPU is visible: pass --world-size N to train with N CPU processes (gloo)")
+        if gpus and world_size > gpus:
+            raise UserError(f"--world-size {world_size} is more than the {gpus} visible GPU(s)")
+        resolve_device(args.device, 0, world_size, distributed=True)  # what every process would check, once
+    check_options(args)
+    log = print if verbose and (rdzv is None or rdzv.local_rank == 0) else _quiet
+    if args.download and not Path(args.data_path).is_dir():
+        # torchrun starts every process at once; a file lock inside lets one of them download.
+        download_flower_photos(args.data_path, log=log)
+    class_names, samples = list_images(args.data_path, args.num_classes, log=log)
+    if launcher == "launch" and (rdzv is None or rdzv.rank == 0) and parse_dist_url(args.dist_url):
+        where = (f"the one torchrun or srun set, {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if rdzv
+                 else "not needed for one process")
+        print(f"--dist-url {args.dist_url} is not used: the rendezvous is {where}")
+    if launcher == "launch" and rdzv is None and not args.check:
+        print("not started by torchrun or srun: training in one process")
+    return Plan(args, launcher, class_names, samples, world_size, rdzv)
+
+
+def check_options(args: argparse.Namespace) -> None:
     if not 0 < args.val_rate < 1:
         raise UserError(f"--val-rate must be between 0 and 1 (exclusive), not {args.val_rate}")
     for name in ("epochs", "batch_size", "accum_steps", "img_size", "val_img_size", "min_img_size"):
@@ -245,12 +289,6 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
         read_state_dict(args.weights)  # exists and holds tensors, or a UserError
     if args.resume and args.resume != "auto":
         load_checkpoint(args.resume, mmap=True)  # mapped, so checking costs little
-    log = print if verbose else _quiet
-    if args.download and not Path(args.data_path).is_dir():
-        # torchrun starts every process at once; a file lock inside lets one of them download.
-        download_flower_photos(args.data_path, log=log)
-    class_names, samples = list_images(args.data_path, args.num_classes, log=log)
-    return Plan(args, launcher, class_names, samples)
 
 
 def check_recipe(args: argparse.Namespace) -> None:
@@ -279,23 +317,3 @@ def check_recipe(args: argparse.Namespace) -> None:
 
 def _quiet(_: str) -> None:
     pass
-
-
-def announce(plan: Plan, split: DataSplit, output_dir: Path, ctx: DistContext) -> None:
-    """The configuration, printed once, and what it amounts to on this many processes."""
-    args = plan.args
-    batch = global_batch(args, ctx)
-    accumulated = f" ({args.accum_steps} batches per step)" if args.accum_steps > 1 else ""
-    ctx.print0(f"config: {vars(args)}")
-    ctx.print0(split_summary(split))
-    ctx.print0(
-        f"{plan.launcher}: {ctx.world_size} process(es) on {ctx.device.type}, global batch {batch}{accumulated}, "
-        f"peak lr {peak_lr(args, ctx):.4g} (= {args.lr} x {batch}/256), output in {output_dir}"
-    )
-
-
-def split_summary(split: DataSplit) -> str:
-    return (
-        f"{len(split.train) + len(split.val)} images in {len(split.class_names)} classes "
-        f"({', '.join(split.class_names)}): {len(split.train)} for training, {len(split.val)} for validation"
-    )

@@ -13,7 +13,7 @@ from torchvision.transforms.v2.functional import resize
 from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, raise_together
 from multi_train_utils import image_cache
 from multi_train_utils.image_cache import picture_shape
-from my_dataset import DeviceCrops, EpochSampler, PixelCache, SizeSchedule, decode
+from my_dataset import DeviceCrops, EpochKeys, PixelCache, SizeSchedule, decode
 from utils import DataSplit
 
 
@@ -27,7 +27,7 @@ class DeviceAugmentedLoader:
         self.draws = draws
         self.crops = crops
         self.sizes = sizes
-        self.sampler: EpochSampler = draws.sampler
+        self.sampler: EpochKeys = draws.sampler
 
     def __len__(self) -> int:
         return len(self.draws)

@@ -6,34 +6,43 @@ exists, so the single-process path runs the same code as DDP.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import datetime
+import inspect
 import os
 import re
+import secrets
 import signal
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.utils.data import Sampler
 
 from multi_train_utils.rendezvous import (
     CHECK_ADVICE,
     JOIN_REPORT_SECONDS,
-    connect_store,
-    env_store,
+    Rendezvous,
+    meeting_store,
     socket_interface_problem,
-    wait_for_ranks,
+    store_host,
 )
-from utils import UserError, cpu_count
+from utils import UserError, cpu_count, stderr_line
 
 # Seconds the other processes of a job get to exit by themselves once one has failed, before
 # SIGTERM, and again before SIGKILL (mp.spawn's own default waits 30 s at each stage).
 STOP_GRACE_SECONDS = 5
+# Before torch 2.8 (pytorch#154976), destroying a gloo group joins gloo's threads holding the GIL,
+# while a thread may still be freeing the tensors of an object collective (broadcast_object,
+# gather_objects), for which it needs the GIL: a deadlock. A pause after those lets it finish.
+GLOO_TEARDOWN_PAUSE = 0.1 if tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 8) else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +53,10 @@ class DistContext:
     local_world_size: int
     device: torch.device
     distributed: bool  # a process group exists (also true for a torchrun job of one process)
-    # The rendezvous store, for what the ranks say to each other outside collectives.
+    # The rendezvous store, for what the ranks say to each other outside collectives, and which
+    # process hosts it ("rank 0", "the spawn launcher", "torchrun's agent on the first node").
     store: dist.Store | None = dataclasses.field(default=None, compare=False, repr=False)
+    store_host: str = "rank 0"
 
     @classmethod
     def single(cls, device: torch.device = torch.device("cpu")) -> DistContext:
@@ -144,58 +155,47 @@ def setup_single(device_spec: str | None) -> DistContext:
     return DistContext.single(device)
 
 
-def setup_process_group(
-    rank: int,
-    local_rank: int,
-    world_size: int,
-    local_world_size: int,
-    device_spec: str | None,
-    backend: str | None,
-    timeout_s: float,
-    store_address: tuple[str, int] | None = None,
-    report_every_s: float = JOIN_REPORT_SECONDS,
-    advice: str = CHECK_ADVICE,
-) -> DistContext:
-    """Join the process group of the given ranks: through the store at `store_address`
-    (hosted by the spawn launcher), else through MASTER_ADDR/MASTER_PORT (torchrun, SLURM).
-    `timeout_s` bounds the rendezvous and every collective: a missing, dead or stuck peer
-    becomes an error, not a hang. While processes are missing, rank 0 says which, every
-    `report_every_s` seconds; `advice` follows the names of the missing when it gives up."""
-    device = resolve_device(device_spec, local_rank, local_world_size, distributed=True)
+def init_distributed(rdzv: Rendezvous | None, device_spec: str | None, backend: str | None = None,
+                     timeout_s: float = 1800, report_every_s: float = JOIN_REPORT_SECONDS,
+                     advice: str = CHECK_ADVICE) -> DistContext:
+    """This process's place in its job: its device (on CUDA, its local rank's GPU), its share of
+    the CPU cores, and the process group it joins with `dist.init_process_group` (NCCL on GPUs,
+    gloo on the CPU, `backend` to choose), meeting the others where `meeting_store` says.
+    `timeout_s` bounds the meeting and every collective: a missing, dead or stuck peer becomes
+    an error, not a hang. Without a job (`rdzv` None): one process, no process group."""
+    if rdzv is None:
+        return setup_single(device_spec)
+    device = resolve_device(device_spec, rdzv.local_rank, rdzv.local_world_size, distributed=True)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if problem := socket_interface_problem(backend):  # gloo would fail deep in its C++, NCCL hang
-        raise UserError(f"rank {rank}: {problem}")
-    _configure_threads(device, local_world_size)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if store_address is not None:
-        host, port = store_address
-        store = connect_store(host, port, rank, timeout_s, report_every_s)
-    else:
-        host, port, store = env_store(rank, world_size, timeout_s, report_every_s)
-    wait_for_ranks(store, rank, world_size, local_world_size, f"{host}:{port}", timeout_s, report_every_s, advice)
+        raise UserError(f"rank {rdzv.rank}: {problem}")
+    _configure_threads(device, rdzv.local_world_size)
+    where, store = meeting_store(rdzv, timeout_s, report_every_s, advice)
     dist.init_process_group(
         backend=backend,
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
+        rank=rdzv.rank,
+        world_size=rdzv.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
         store=store,
         # Binding the group to this rank's GPU lets NCCL connect eagerly and avoids
         # "devices used by this process are currently unknown" warnings in barrier().
         device_id=device if backend == "nccl" else None,
     )
-    ctx = DistContext(rank, local_rank, world_size, local_world_size, device, distributed=True, store=store)
-    ctx.print0(
-        f"process group: backend={backend}, world_size={world_size}, "
-        f"rendezvous={host}:{port}, "
-        f"threads per process={torch.get_num_threads()}"
-    )
+    # The job's own keys (faults.py's) go under a name rank 0 draws now: under torchrun the store
+    # outlives this attempt, and keys of an earlier one must never be read as this one's.
+    job = DistContext(rdzv.rank, rdzv.local_rank, rdzv.world_size, rdzv.local_world_size, device, distributed=True)
+    namespace = broadcast_object(f"job-{secrets.token_hex(6)}/" if rdzv.rank == 0 else None, job)
+    ctx = dataclasses.replace(job, store=dist.PrefixStore(namespace, store), store_host=store_host(rdzv))
+    ctx.print0(f"process group: backend={backend}, world_size={rdzv.world_size}, rendezvous={where}, "
+               f"threads per process={torch.get_num_threads()}")
     return ctx
 
 
 def teardown() -> None:
     if dist.is_available() and dist.is_initialized():
+        time.sleep(GLOO_TEARDOWN_PAUSE)
         dist.destroy_process_group()
 
 
@@ -226,6 +226,53 @@ def forward_signal(processes: list, signum: int) -> None:
             os.kill(p.pid, signum)
 
 
+@contextlib.contextmanager
+def passing_sigterm_on() -> Iterator[list]:
+    """A SIGTERM sent to this process alone (a scheduler signals the launcher) passed on to the
+    processes put in the list it gives, those put there later included: they then save where
+    they are and exit (75). In effect from before they start: a SIGTERM that came while they
+    were starting would otherwise end this process and leave them running."""
+    processes: list = []
+    came: list[int] = []
+
+    def pass_on(*_: object) -> None:
+        came.append(signal.SIGTERM)
+        forward_signal(processes, signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, pass_on)
+    try:
+        yield processes
+        if came:  # it came while they were starting, before they were in the list
+            forward_signal(processes, signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def join_processes(context: Any) -> int:
+    """Wait for the processes of an mp.spawn `context`, and the job's exit code. Once one has
+    failed, torch's ProcessContext.join gives the others STOP_GRACE_SECONDS to end, then sends
+    SIGTERM, waits as long again, then SIGKILL. Ctrl-C ends them all (130)."""
+    # The others' time to end by themselves once one has failed; torch 2.5's join has no grace
+    # period and sends them SIGTERM at once (then SIGKILL 30 s later).
+    grace = {"grace_period": STOP_GRACE_SECONDS} if "grace_period" in inspect.signature(context.join).parameters else {}
+    try:
+        while not context.join(**grace):
+            pass
+    except mp.ProcessExitedException as e:
+        # The process printed its own `error:` line unless a signal gave it no chance to.
+        if e.signal_name:
+            stderr_line(f"error: process {e.error_index} was killed by {e.signal_name}")
+        return e.exit_code if e.exit_code > 0 else 1
+    except mp.ProcessRaisedException as e:
+        stderr_line(str(e))  # the failing rank's traceback
+        return 1
+    except KeyboardInterrupt:
+        stop(context.processes)
+        stderr_line("interrupted")
+        return 130
+    return 0
+
+
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     """Sum over ranks, in place; the identity without a process group."""
     if ctx.distributed:
@@ -250,6 +297,7 @@ def broadcast_object(obj: Any, ctx: DistContext) -> Any:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
+    time.sleep(GLOO_TEARDOWN_PAUSE)  # torch 2.5-2.7: so that a teardown right after it cannot deadlock
     return box[0]
 
 
@@ -258,6 +306,7 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
         return [obj]
     out: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
+    time.sleep(GLOO_TEARDOWN_PAUSE)  # as in broadcast_object
     return out
 
 

@@ -1,8 +1,17 @@
-"""Faults during the epochs, each turned into one paragraph on the rank that meets it instead
-of a traceback: the connection to another process broken in a collective (that process ended),
-a data-loader worker that died, rank 0's checkpoint write that failed. Each names the cause,
-what was lost, and the checkpoint a run goes on from with --resume. SHOW_TRACEBACK=1 prints
-the traceback before it, for a bug report."""
+"""SIGTERM and the faults of a run, each turned into one paragraph on every rank instead of a
+traceback: the connection to another process broken in a collective (that process ended), a
+data-loader worker that died, rank 0's checkpoint write that failed. Each names the cause, what
+was lost, and the checkpoint a run goes on from with --resume. SHOW_TRACEBACK=1 prints the
+traceback before it, for a bug report.
+
+Which process ended is known for sure, not guessed from who answers: each rank says in the
+job's store who it is (machine and process id) and, from a thread of its own, that it is still
+there (a count it raises every second). A rank that meets a broken collective looks: a process
+on its own machine has ended when its process id is gone; one on another machine, when its
+count has stopped. The first rank to know writes the answer in the store, and every other rank,
+still waiting inside a collective that will never finish, reads it there within a second and
+ends with the same paragraph.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -10,16 +19,26 @@ import os
 import re
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.distributed_utils import DistContext, lost_connection
+from multi_train_utils.preemption import TerminationRequest
 from multi_train_utils.run_folder import LAST, CheckpointWriteFailed
 from utils import ProjectError, UserError, stderr_line
+
+# How often each rank says it is still there, and how long a silence on another machine takes
+# to count as an end (a rank whose thread the machine starves still speaks within it).
+BEAT_SECONDS = 1.0
+SILENT_SECONDS = 5.0
+# How long the watching thread leaves the main thread to end the process itself (a Ctrl-C that
+# reached every rank is being handled) before it ends a process that waits in a collective.
+GRACE_SECONDS = 2.0
 
 
 class RunBroken(ProjectError):
@@ -27,10 +46,14 @@ class RunBroken(ProjectError):
 
 
 @contextlib.contextmanager
-def named_faults(output_dir: Path, ctx: DistContext) -> Iterator[None]:
-    """The epochs, their faults named (RunBroken)."""
+def handling_sigterm_and_faults(output_dir: Path, ctx: DistContext) -> Iterator[TerminationRequest]:
+    """The rest of the run, with SIGTERM turned into a request (train_one_epoch reads it, the
+    ranks then stop together, and save_position_and_exit ends the run) and its faults named
+    (RunBroken) on every rank."""
+    watch = FaultWatch(output_dir, ctx) if ctx.distributed else None
     try:
-        yield
+        with TerminationRequest(output_dir, ctx) as sigterm:
+            yield sigterm
     except CheckpointWriteFailed as e:
         show_traceback(e)
         raise RunBroken(f"{e}: the run stops. {what_holds(output_dir, ctx)}") from None
@@ -44,37 +67,136 @@ def named_faults(output_dir: Path, ctx: DistContext) -> Iterator[None]:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             cause = (f"{who}a data-loader worker died ({first_line}); the kernel kills one that runs out of memory "
                      "(`dmesg` says so): lower --workers or --batch-size, or give the job more memory")
-        elif ctx.distributed and lost_connection(e):
+        elif watch and lost_connection(e):
             cause = (f"{who}the connection to another process of the job broke during a collective "
-                     f"({short(first_line)}): {silent_ranks(ctx)}")
+                     f"({short(first_line)}): {watch.who_ended()}")
         else:
             raise
         show_traceback(e)
         raise RunBroken(f"{cause}. {what_holds(output_dir, ctx)}") from None
+    except ProjectError:  # raised on every rank alike (a preemption, a NaN loss): no rank ended before the others
+        if watch:
+            watch.finished()
+        raise
+    else:
+        if watch:
+            watch.finished()
+    finally:
+        if watch:
+            watch.close()
 
 
-# Seconds the ranks that meet a broken collective take to say they are still there.
-ROLL_CALL_SECONDS = 5.0
+class FaultWatch:
+    """This rank's part in naming a process that ended (the module's docstring says how): its
+    machine and process id in the store, and a thread that counts in the store every
+    BEAT_SECONDS, and ends this process with the job's paragraph once a rank has written which
+    process ended, or once it sees a process of its own machine gone (which also holds on NCCL,
+    where a lost peer raises nothing that this process could catch)."""
+
+    def __init__(self, output_dir: Path, ctx: DistContext):
+        self.output_dir, self.ctx, self.store = output_dir, ctx, ctx.store
+        self.ending = threading.Lock()  # held by whichever of this rank's threads ends the process
+        self.closed = threading.Event()
+        self.here = socket.gethostname()
+        self.store.set(f"who/{ctx.rank}", f"{self.here} {os.getpid()}")
+        self.store.add(f"beat/{ctx.rank}", 1)
+        self.neighbours: dict[int, int] = {}  # the other ranks of this machine: their process ids
+        self.elsewhere: set[int] = set()  # the ranks of other machines
+        threading.Thread(target=self._beat, name="fault watch", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self.closed.wait(BEAT_SECONDS):
+            try:
+                self.store.add(f"beat/{self.ctx.rank}", 1)
+                found = self.store.get("ended").decode() if self.store.check(["ended"]) else None
+                if found is None and (gone := self._neighbours_gone()):
+                    found = self._write_ended(gone)
+            except Exception:  # noqa: BLE001 -- the store went away: found by the main thread, if it matters
+                return
+            if found and not self.closed.wait(GRACE_SECONDS) and self.ending.acquire(blocking=False):
+                # This rank waits in a collective that cannot finish: end it from here.
+                stderr_line(f"error: rank {self.ctx.rank} on {self.here}: {found}; this one stops too. "
+                            f"{what_holds(self.output_dir, self.ctx)}")
+                sys.stdout.flush()
+                os._exit(1)
+
+    def _neighbours_gone(self) -> list[int]:
+        """The ranks of this machine whose process is gone without having finished; their ids
+        are read from the store until every rank has written its own."""
+        missing = [r for r in range(self.ctx.world_size)
+                   if r != self.ctx.rank and r not in self.neighbours and r not in self.elsewhere]
+        for r in missing:
+            if self.store.check([f"who/{r}"]):
+                machine, pid = self.store.get(f"who/{r}").decode().split()
+                if machine == self.here:
+                    self.neighbours[r] = int(pid)
+                else:
+                    self.elsewhere.add(r)
+        gone = [r for r, pid in self.neighbours.items() if not alive(pid)]
+        return [r for r in gone if not self.store.check([f"finished/{r}"]) and not self.store.check([f"stopping/{r}"])]
+
+    def _write_ended(self, ended: list[int]) -> str:
+        """Write which ranks ended, unless a rank wrote it first; what the store then holds."""
+        named = ", ".join(f"rank {r}" for r in ended[:8]) + (f" and {len(ended) - 8} more" if len(ended) > 8 else "")
+        self.store.compare_set("ended", "", f"{named} ended (found by rank {self.ctx.rank}), and its own output "
+                                            "says why")
+        return self.store.get("ended").decode()
+
+    def who_ended(self) -> str:
+        """Which process of the job ended, found as the module's docstring says, and written in
+        the store for the ranks that wait in a collective."""
+        self.ending.acquire()  # this thread ends the process now, not the watching one
+        store, ctx = self.store, self.ctx
+        try:
+            store.set(f"stopping/{ctx.rank}", "1")  # this one stops because of the fault: it did not end first
+            if store.check(["ended"]):
+                return store.get("ended").decode()
+            if ended := self._ended():
+                return self._write_ended(ended)
+            return ("no process of the job has ended: a network fault between them? NCCL_DEBUG=INFO or gloo's "
+                    "message says more")
+        except (RuntimeError, AttributeError):  # DistNetworkError: the store went with its host
+            return (f"the rendezvous store is gone too, so {ctx.store_host}, which hosts it, ended, and its own output "
+                    "says why")
+
+    def _ended(self) -> list[int]:
+        """The ranks that ended, other than those that stop because of the fault."""
+        store, ctx, here = self.store, self.ctx, self.here
+        others = [r for r in range(ctx.world_size) if r != ctx.rank]
+        where = {r: store.get(f"who/{r}").decode().split() for r in others if store.check([f"who/{r}"])}
+        gone = [r for r in others if r in where and where[r][0] == here and not alive(int(where[r][1]))]
+        remote = [r for r in others if r in where and where[r][0] != here]
+        if remote:
+            before = {r: store.add(f"beat/{r}", 0) for r in remote}
+            until = time.monotonic() + SILENT_SECONDS
+            while remote and time.monotonic() < until:
+                time.sleep(0.2)
+                remote = [r for r in remote if store.add(f"beat/{r}", 0) == before[r]]
+            gone += remote
+        return sorted(r for r in gone if not store.check([f"stopping/{r}"]) and not store.check([f"finished/{r}"]))
+
+    def finished(self) -> None:
+        """This rank ends with the others (the run's end, a preemption, a NaN loss): its exit is no fault."""
+        with contextlib.suppress(RuntimeError):
+            self.store.set(f"finished/{self.ctx.rank}", "1")
+
+    def close(self) -> None:
+        self.closed.set()
 
 
-def silent_ranks(ctx: DistContext, wait_s: float = ROLL_CALL_SECONDS) -> str:
-    """Which process ended, found by a roll call in the rendezvous store: every rank that meets
-    the broken collective says it is there, and those that do not within `wait_s` are named
-    (the one that ended is among them; one that hangs would be too)."""
+def alive(pid: int) -> bool:
+    """Whether the process `pid` of this machine runs (a zombie has ended)."""
     try:
-        ctx.store.set(f"present/{ctx.rank}", "1")
-        until = time.monotonic() + wait_s
-        while (silent := [r for r in range(ctx.world_size) if not ctx.store.check([f"present/{r}"])]) and \
-                time.monotonic() < until:
-            time.sleep(0.1)
-    except (RuntimeError, AttributeError):  # DistNetworkError: the store went with its host
-        return ("the rendezvous store is gone too, so the process that hosts it ended (rank 0, or torchrun's agent), "
-                "and its own output says why")
-    if not silent:
-        return "every rank is still there: a network fault between them? NCCL_DEBUG=INFO or gloo's message says more"
-    named = ", ".join(f"rank {r}" for r in silent[:8]) + (f" and {len(silent) - 8} more" if len(silent) > 8 else "")
-    return (f"{named} did not answer in {wait_s:g}s, so it ended (or hangs), and its own output says why; "
-            "this one stops too")
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
 
 
 def short(line: str) -> str:

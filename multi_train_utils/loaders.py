@@ -1,25 +1,28 @@
 """How each process gets its data: the readable split (or a resumed run's recorded one), the
-training and validation loaders with their samplers (DistributedSampler for training, an
-unpadded shard for validation), and each epoch's passes begun ahead of their use."""
+datasets, and the loaders around them: the training loader draws from the DistributedSampler
+the launcher makes, the validation loader from an unpadded shard of each rank's own."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from multi_train_utils.checkpoint import check_classes
 from multi_train_utils.config import Plan
 from multi_train_utils.device_augment import DeviceAugmentedLoader, device_crops
 from multi_train_utils.distributed_utils import DistContext, ShardSampler, broadcast_object, die_with_parent, gather_objects
 from multi_train_utils.image_cache import shared_cache
+from multi_train_utils.recalibrate import BatchNormRecalibration, recalibration
 from my_dataset import (
     CropDraws,
-    EpochSampler,
+    DeviceCrops,
+    EpochKeys,
     MyDataSet,
     build_transform,
     default_workers,
@@ -45,42 +48,96 @@ from utils import (
 
 @dataclasses.dataclass(frozen=True)
 class RunData:
-    """The files a run trains and evaluates on, fixed when it started."""
+    """The files a run trains and evaluates on, fixed when it started, and their datasets."""
 
     split: DataSplit
     root: str  # the folder they are under, recorded with them
+    train_set: MyDataSet | CropDraws
+    val_set: MyDataSet
     lost_files: bool = False  # a resumed run goes on without recorded files: a position inside an epoch no longer holds
+    crops: DeviceCrops | None = None  # --device-augment: the training pictures on the device
+    recalibrate: BatchNormRecalibration | None = None  # --bn-recalibrate: its images, prepared on first use
+
+    @property
+    def class_names(self) -> list[str]:
+        return self.split.class_names
+
+    def loaders(self, train_sampler: DistributedSampler, args: argparse.Namespace,
+                ctx: DistContext) -> tuple[DataLoader | DeviceAugmentedLoader, DataLoader]:
+        """The training loader, drawing from `train_sampler` (a DistributedSampler: each rank its own
+        1/world_size of the training images, reshuffled every epoch by its set_epoch), each index
+        with its epoch (EpochKeys); under --device-augment, a DeviceAugmentedLoader. And the
+        validation loader, each rank a disjoint shard without padding, so that every image is
+        evaluated exactly once."""
+        workers = default_workers(ctx.device, ctx.local_world_size) if args.workers is None else args.workers
+        common = dict(
+            batch_size=args.batch_size,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            worker_init_fn=start_worker,
+            pin_memory=ctx.device.type == "cuda",
+            # A process started by mp.spawn would also spawn its loader workers, each re-importing
+            # torch (seconds) and receiving a pickled copy of the dataset; forking, Linux's default
+            # everywhere else, shares the parent's memory, the --cache pixels included.
+            multiprocessing_context="fork" if workers > 0 and sys.platform == "linux" else None,
+        )
+        keys = EpochKeys(train_sampler)
+        # A last batch of one image breaks BatchNorm in training mode; drop the remainder instead
+        # (the shuffle changes which images fall in it every epoch).
+        train_loader = DataLoader(self.train_set, sampler=keys, drop_last=len(keys) > args.batch_size, **common)
+        val_loader = DataLoader(self.val_set, sampler=ShardSampler(len(self.val_set), ctx), **common)
+        if self.crops is not None:
+            return DeviceAugmentedLoader(train_loader, self.crops, size_schedule(vars(args))), val_loader
+        return train_loader, val_loader
 
 
-def run_data(plan: Plan, resume_path: str | None, ctx: DistContext) -> RunData:
-    """A new run's split of the folder (readable_split). A resumed run's is the one its
-    split.json recorded, beside the checkpoint: the folder is not split again, whatever was
-    added to it or removed since, and the files are not decoded again, only compared with their
-    recorded size and time (recorded_files). Rank 0 reads and checks; every rank gets its verdict."""
-    recorded = Path(resume_path).parent / SPLIT_FILE if resume_path and not plan.args.eval_only else None
+def build_datasets(plan: Plan, checkpoint: dict[str, Any] | None, ctx: DistContext) -> RunData:
+    """The run's split and its training and validation datasets. A new run's split of the
+    folder (readable_split); a resumed run's is the one its split.json recorded, beside the
+    checkpoint: the folder is not split again, whatever was added to it or removed since, and the
+    files are not decoded again, only compared with their recorded size and time
+    (recorded_files). Collectives: an all_gather of the unreadable files each rank found (a new
+    run) or a broadcast of rank 0's verdict on the recorded files (a resumed one); with --cache,
+    a broadcast and barriers; with --device-augment, two all_reduces that fill in the pixels."""
+    args = plan.args
+    path = checkpoint["loaded_from"] if checkpoint is not None else None
+    root, lost_files = args.data_path, False
+    recorded = Path(path).parent / SPLIT_FILE if path and not args.eval_only else None
     if recorded is None or not recorded.is_file():
         if recorded is not None:
             ctx.print0(f"warning: {recorded} does not exist (a run folder from before runs recorded their files): "
-                       f"{plan.args.data_path} is listed and split again, and files added or removed since the run "
+                       f"{args.data_path} is listed and split again, and files added or removed since the run "
                        "started change its split")
-        return RunData(readable_split(plan, ctx), plan.args.data_path)
-    verdict = broadcast_object(_recorded_or_error(plan, recorded) if ctx.is_main else None, ctx)
-    if isinstance(verdict, str):
-        raise UserError(verdict)
-    data, lines = verdict
-    for line in lines:
-        ctx.print0(line)
-    return data
+        split = readable_split(plan, ctx)
+    else:
+        verdict = broadcast_object(_recorded_or_error(plan, recorded) if ctx.is_main else None, ctx)
+        if isinstance(verdict, str):
+            raise UserError(verdict)
+        (split, root, lost_files), lines = verdict
+        for line in lines:
+            ctx.print0(line)
+    ctx.print0(split_summary(split))
+    if checkpoint is not None:
+        check_classes(checkpoint, split.class_names, path)
+    train_set, val_set, crops = datasets_of(split, plan, ctx)
+    return RunData(split, root, train_set, val_set, lost_files, crops, recalibration(split, args))
 
 
-def _recorded_or_error(plan: Plan, recorded: Path) -> tuple[RunData, list[str]] | str:
+def split_summary(split: DataSplit) -> str:
+    return (
+        f"{len(split.train) + len(split.val)} images in {len(split.class_names)} classes "
+        f"({', '.join(split.class_names)}): {len(split.train)} for training, {len(split.val)} for validation"
+    )
+
+
+def _recorded_or_error(plan: Plan, recorded: Path) -> tuple[tuple[DataSplit, str, bool], list[str]] | str:
     try:
         return recorded_files(plan, load_recorded_split(recorded), recorded)
     except UserError as e:
         return str(e)
 
 
-def recorded_files(plan: Plan, record: RecordedSplit, source: Path) -> tuple[RunData, list[str]]:
+def recorded_files(plan: Plan, record: RecordedSplit, source: Path) -> tuple[tuple[DataSplit, str, bool], list[str]]:
     """The recorded split, checked: every file still there with its recorded size and time
     (a changed one must still decode), and what to say about it. Files gone or unreadable are
     an error, or with --drop-missing left out; files added to the folder since are not used."""
@@ -117,7 +174,7 @@ def recorded_files(plan: Plan, record: RecordedSplit, source: Path) -> tuple[Run
     if new:
         lines.append(f"{new} image(s) added to {args.data_path} since the run started are not used: to train on them, "
                      "start a new run (another --output-dir, without --resume)")
-    return RunData(split, root, lost_files=bool(bad)), lines
+    return (split, root, bool(bad)), lines
 
 
 def _moved(split: DataSplit, old_root: str, new_root: str) -> DataSplit:
@@ -162,112 +219,29 @@ def quiet_dropped_handover(hook: Callable[..., None]) -> Callable[..., None]:
     return excepthook
 
 
-def build_loaders(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataLoader | DeviceAugmentedLoader, DataLoader]:
-    """The training loader, whose DistributedSampler gives each rank its own 1/world_size of the
-    training images, reshuffled every epoch by its set_epoch (the loader is a
-    DeviceAugmentedLoader under --device-augment); and the validation loader, each rank a
-    disjoint shard without padding, so that every image is evaluated exactly once."""
+def datasets_of(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[MyDataSet | CropDraws, MyDataSet,
+                                                                         DeviceCrops | None]:
+    """The training and validation datasets of `split` (under --device-augment the training
+    set draws crops of pictures that wait on the device, in the DeviceCrops returned too)."""
     args = plan.args
-    on_device = args.device_augment and not args.eval_only
-    workers = default_workers(ctx.device, ctx.local_world_size) if args.workers is None else args.workers
-    common = dict(
-        batch_size=args.batch_size,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        worker_init_fn=start_worker,
-        pin_memory=ctx.device.type == "cuda",
-        # A process started by mp.spawn would also spawn its loader workers, each re-importing
-        # torch (seconds) and receiving a pickled copy of the dataset; forking, Linux's default
-        # everywhere else, shares the parent's memory, the --cache pixels included.
-        multiprocessing_context="fork" if workers > 0 and sys.platform == "linux" else None,
-    )
     val_size = eval_img_size(vars(args))
     cache = shared_cache(split, vars(args), ctx) if args.cache else None
-    if on_device:
+    crops = None
+    if args.device_augment and not args.eval_only:
         crops = device_crops(split, eval_resize(args.img_size), ctx, cache)
         train_set = CropDraws(split.train, crops.frames.tolist(), args.seed, args.crop_scale, args.flip)
     else:
         train_set = MyDataSet(split.train, train_transforms(vars(args)), args.img_size, args.seed, cache)
     val_set = MyDataSet(split.val, build_transform(val_size, train=False), eval_resize(val_size), cache=cache)
-    # Every process, the single one included, draws from a DistributedSampler: one code path.
-    # EpochSampler passes the epoch on with each index, for the augmentation's seeding.
-    train_sampler = EpochSampler(
-        DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
-    )
-    # A last batch of one image breaks BatchNorm in training mode; drop the remainder instead
-    # (the shuffle changes which images fall in it every epoch).
-    drop_last = len(train_sampler) > args.batch_size
-    train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=drop_last, **common)
-    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), ctx), **common)
-    if on_device:
-        return DeviceAugmentedLoader(train_loader, crops, size_schedule(vars(args))), val_loader
-    return train_loader, val_loader
+    return train_set, val_set, crops
 
 
-class StartedPass:
-    """One pass over a loader, begun when made: a DataLoader's iterator hands its workers the
-    first batches' indices at once (persistent workers are kept and given the new pass).
-    `then` is called as the last batch is handed over, to begin another pass while the last
-    step computes."""
-
-    def __init__(self, loader: DataLoader | DeviceAugmentedLoader, then: Callable[[], None] | None = None):
-        self.sampler = loader.sampler
-        self._length = len(loader)
-        self._batches = iter(loader)
-        self._then = then
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for number, batch in enumerate(self._batches, start=1):
-            if number == self._length and self._then is not None:
-                self._then()
-            yield batch
-
-
-class EpochPasses:
-    """The training and validation passes of each epoch, each begun ahead of its use: the next
-    epoch's training batches load while the model evaluates, and with `val_ahead` the
-    validation batches while the last training steps run. What a batch holds depends on (seed,
-    epoch, index) alone (docs/exactness.md), never on when it was loaded."""
-
-    def __init__(self, train_loader: DataLoader | DeviceAugmentedLoader, val_loader: DataLoader, val_ahead: bool):
-        self.train_loader = train_loader
-        self.val_loader = val_loader
-        self.val_ahead = val_ahead
-        self._ahead: tuple[int, StartedPass] | None = None  # (epoch, its training pass)
-        self._val: StartedPass | None = None
-
-    def train(self, epoch: int) -> StartedPass:
-        """Epoch `epoch`'s training pass, as its sampler is set (set_epoch): the one begun ahead
-        for that epoch, or a new one."""
-        ahead, self._ahead = self._ahead, None
-        sampler = self.train_loader.sampler
-        if ahead is not None and ahead[0] == epoch == sampler.epoch and sampler.skip == 0:
-            return ahead[1]
-        return self._train_pass()
-
-    def load_ahead(self, next_epoch: int | None) -> None:
-        """Begin the validation pass now, unless begun already; then, when another epoch is
-        sure to follow, its training pass behind it, the sampler set to it early (its crop
-        sizes must be fixed by then), so that its batches load while the model evaluates. The
-        first validation pass forks the loader's workers, best done while no other loader is
-        handing out batches."""
-        self.begin_val()
-        if next_epoch is not None:
-            self.train_loader.sampler.set_epoch(next_epoch)
-            self._ahead = next_epoch, self._train_pass()
-
-    def _train_pass(self) -> StartedPass:
-        return StartedPass(self.train_loader, then=self.begin_val if self.val_ahead else None)
-
-    def begin_val(self) -> None:
-        """Begin the validation pass now, unless one is begun already."""
-        if self._val is None:
-            self._val = StartedPass(self.val_loader)
-
-    def val(self) -> StartedPass:
-        """A validation pass: the one begun before, or a new one."""
-        begun, self._val = self._val, None
-        return begun or StartedPass(self.val_loader)
+def loaders_of(split: DataSplit, plan: Plan, ctx: DistContext) -> tuple[DataLoader | DeviceAugmentedLoader, DataLoader,
+                                                                        DistributedSampler]:
+    """The training and validation loaders of `split`, and the training loader's DistributedSampler,
+    made as the launchers make them, for the benchmarks, --check and the tests."""
+    train_set, val_set, crops = datasets_of(split, plan, ctx)
+    sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                                 seed=plan.args.seed)
+    data = RunData(split, plan.args.data_path, train_set, val_set, crops=crops)
+    return (*data.loaders(sampler, plan.args, ctx), sampler)

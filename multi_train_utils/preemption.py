@@ -4,25 +4,25 @@ and the run exits with 75 (EX_TEMPFAIL) for the scheduler to requeue it: `--resu
 goes on from that step."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import signal
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from multi_train_utils.checkpoint import Progress
+from multi_train_utils.progress import Progress
 from multi_train_utils.distributed_utils import DistContext, barrier
-from multi_train_utils.run_folder import LAST, EpochWriter, checkpoint_of
-from multi_train_utils.train_eval_utils import StoppedInEpoch, Training
-from utils import DataSplit, Preempted
+from multi_train_utils.run_folder import LAST, RunFiles
+from utils import Preempted
 
 
 class TerminationRequest:
     """SIGTERM turned into a flag: the training loop reads it at its next check
-    (train_eval_utils.CHECK_EVERY), and the ranks then stop together. In effect inside the
-    `with` block (the main thread's)."""
+    (train_eval_utils.CHECK_EVERY), and the ranks then stop together (save_position_and_exit).
+    In effect inside the `with` block (the main thread's), which
+    faults.handling_sigterm_and_faults enters for the run in `output_dir`."""
 
-    def __init__(self) -> None:
+    def __init__(self, output_dir: Path, ctx: DistContext) -> None:
+        self.output_dir, self.ctx = output_dir, ctx
         self.received = False
 
     def __enter__(self) -> TerminationRequest:
@@ -38,16 +38,15 @@ class TerminationRequest:
     def __call__(self) -> bool:
         return self.received
 
-
-def save_position_and_exit(stop: StoppedInEpoch, training: Training, progress: Progress, epoch: int,
-                           args: argparse.Namespace, split: DataSplit, output_dir: Path, files: EpochWriter | None,
-                           ctx: DistContext) -> NoReturn:
-    """Rank 0 saves where every rank stopped inside `epoch` (after any write in flight); no
-    process exits before last.pth is on disk, and none ends the job before that either."""
-    if files:
-        stopped = dataclasses.replace(progress, epoch=epoch - 1, steps_in_epoch=stop.steps_done,
-                                      epoch_sums=tuple(stop.sums))
-        files.save_position(checkpoint_of(training, stopped, args, split, ctx))
-    barrier(ctx)
-    raise Preempted(f"SIGTERM: every process stopped after step {stop.steps_done} of epoch {epoch}; "
-                    f"{output_dir / LAST} holds the position: resume with --resume auto")
+    def save_position_and_exit(self, files: RunFiles | None, epoch: int, progress: Progress,
+                               train_stats: dict[str, Any]) -> NoReturn:
+        """Every rank stopped after the same step of `epoch` (train_one_epoch's "stopped_after"):
+        rank 0 saves that position (after any write in flight), and a barrier keeps every process
+        from exiting, and so from ending the job, before last.pth is on disk."""
+        steps = train_stats["stopped_after"]
+        if files:
+            files.save_position(dataclasses.replace(progress, epoch=epoch - 1, steps_in_epoch=steps,
+                                                    epoch_sums=tuple(train_stats["sums"])))
+        barrier(self.ctx)
+        raise Preempted(f"SIGTERM: every process stopped after step {steps} of epoch {epoch}; "
+                        f"{self.output_dir / LAST} holds the position: resume with --resume auto")

@@ -1,10 +1,11 @@
 """Where the processes of a job meet, before a process group exists: who each process is
-(torchrun's or SLURM's environment), the store they meet at, and the waiting for the missing,
-said by name. `setup_process_group()` in distributed_utils.py goes through here to
-`dist.init_process_group`.
+(torchrun's or SLURM's environment), the store they meet at, and, where no torchrun agent has
+gathered them already, the waiting for the missing, said by name. `init_distributed()` in
+distributed_utils.py goes through here to `dist.init_process_group`.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import os
@@ -43,43 +44,71 @@ class Rendezvous:
         return self.store_address or master_address()
 
     def hosts_store(self) -> bool:
-        """This process listens for the others (rank 0 of a job started without torchrun's agent)."""
-        return self.store_address is None and self.rank == 0 and not agent_hosts_store()
+        """This process listens for the others (rank 0 of a job that neither torchrun nor the spawn
+        launcher started: srun's)."""
+        return self.store_address is None and self.rank == 0 and not under_torchrun()
 
 
 class RendezvousIncomplete(ProjectError):
     """Some processes of the job never joined (or never reached the store) in time: exit code 1."""
 
     by_rank_0 = False  # True where this process learned it from rank 0's word, not by itself
+    word = ""  # then, rank 0's word
 
 
 class RendezvousMismatch(RendezvousIncomplete):
     """The processes disagree on who they are: the world size, or two claiming one rank."""
 
 
-def env_store(rank: int, world_size: int, timeout_s: float, report_every_s: float) -> tuple[str, int, dist.Store]:
-    """The store that init_method="env://" would open, namespaced by torchrun's restart count.
+def meeting_store(rdzv: Rendezvous, timeout_s: float, report_every_s: float,
+                  advice: str = CHECK_ADVICE) -> tuple[str, dist.Store]:
+    """Where the processes of the job meet ("HOST:PORT") and the store they meet at.
 
-    torchrun keeps one store for the whole job. After a worker dies and the group restarts,
-    the new processes would otherwise find the addresses that the failed group published
-    under the same keys, and hang or fail to connect to processes that no longer exist.
-    """
-    host, port = master_address()
-    # Under torchrun the agent hosts the store and every worker is a client; otherwise rank 0 hosts it.
-    if rank == 0 and not agent_hosts_store():
-        if problem := not_local_problem(host, socket.gethostname()):
-            raise UserError(problem)  # TCPStore would wait on it without end
+    Under torchrun, its agents have gathered every process of this attempt already, given each
+    its rank, and host the store: torch's own env:// rendezvous gives that store, namespaced by
+    torch, and nothing is waited for here. Otherwise the processes were started one by one
+    (srun, or the spawn launcher), and a process of a wrong count or a missing one would leave
+    init_process_group waiting in silence: each says who it is in the store (rank 0's, or the
+    spawn launcher's), and rank 0 says "go" once the job is whole, or names what is wrong
+    (wait_for_ranks). Such a store lives as long as this job, so no key outlives it."""
+    if rdzv.store_address is None and under_torchrun():
+        host, port = master_address()
+        store, _, _ = next(dist.rendezvous("env://", rdzv.rank, rdzv.world_size,
+                                           timeout=datetime.timedelta(seconds=timeout_s)))
+        return f"{host}:{port}", store
+    host, port = rdzv.address()
+    if rdzv.hosts_store():
         # Not waiting for the others here: wait_for_ranks does, and says who is missing.
-        try:
-            store = dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
-        except dist.DistNetworkError as e:
-            # A MASTER_ADDR of another machine was refused above: what is left is the port.
-            raise UserError(f"cannot listen on {host}:{port} ({str(e).rsplit('message: ', 1)[-1].strip()}): is "
-                            "MASTER_PORT used by another job (or a second process started as rank 0)?") from None
+        if problem := not_local_problem(host, socket.gethostname()):
+            # An address that reaches this machine only through NAT (a Kubernetes Service, a
+            # Docker port mapping) is right; another machine's is not, and the others then wait.
+            stderr_line(f"warning: {problem}; if it reaches this machine through NAT (a Kubernetes Service, a "
+                        "Docker port mapping), that is right, and the store listens on every interface")
+            try:
+                store = dist.TCPStore("127.0.0.1", port, rdzv.world_size, is_master=True, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=timeout_s))
+            except dist.DistNetworkError as e:
+                raise UserError(f"cannot listen on port {port} ({str(e).rsplit('message: ', 1)[-1].strip()}): "
+                                "is MASTER_PORT used by another job?") from None
+        else:
+            store = store_listening_on(host, port, timeout_s)  # on that address alone, loopback's too
     else:
-        store = connect_store(host, port, rank, timeout_s, report_every_s)
-    return host, port, dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        store = connect_store(host, port, rdzv.rank, timeout_s, report_every_s)
+    wait_for_ranks(store, rdzv.rank, rdzv.world_size, rdzv.local_world_size, f"{host}:{port}", timeout_s,
+                   report_every_s, advice, store_host(rdzv))
+    return f"{host}:{port}", store
+
+
+def store_host(rdzv: Rendezvous) -> str:
+    """Which process hosts the job's store, as the messages name it."""
+    if rdzv.store_address is not None:
+        return "the spawn launcher"
+    return "torchrun's agent on the first node" if under_torchrun() else "rank 0"
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun's agent (or the legacy launcher, which runs it) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def not_local_problem(host: str, machine: str) -> str | None:
@@ -97,7 +126,8 @@ def not_local_problem(host: str, machine: str) -> str | None:
             except OSError:
                 continue
     return (f"MASTER_ADDR {host} is not an address of this machine, {machine}, where rank 0 runs and hosts the "
-            "rendezvous: set it to this machine's address (`hostname -I`), or start rank 0 on the machine it names")
+            "rendezvous; if it is another machine's, set it to this one's (`hostname -I`), or start rank 0 on the "
+            "machine it names")
 
 
 def master_address() -> tuple[str, int]:
@@ -106,10 +136,6 @@ def master_address() -> tuple[str, int]:
         return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     except (KeyError, ValueError):
         raise UserError("MASTER_ADDR and MASTER_PORT must be set to the rendezvous address") from None
-
-
-def agent_hosts_store() -> bool:
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def connect_store(host: str, port: int, rank: int, timeout_s: float, report_every_s: float) -> dist.Store:
@@ -149,11 +175,14 @@ def greeted_store(host: str, port: int, timeout_s: float) -> dist.Store:
     greeting.join(GREETING_SECONDS)
     if "store" in box:
         return box["store"]  # type: ignore[return-value]
-    how = (f"gave a wrong answer ({str(box['error']).splitlines()[0]})" if "error" in box else
-           f"gave no answer in {GREETING_SECONDS}s")
-    raise RendezvousIncomplete(f"{host}:{port} accepts connections, but {how} to the rendezvous store's greeting: "
-                               "another program holds that port. Choose another MASTER_PORT (--master-port), the "
-                               "same on every node")
+    if "error" in box:
+        why = (f"gave a wrong answer to the rendezvous store's greeting ({str(box['error']).splitlines()[0]}): "
+               "another program holds that port, or it runs another version of torch's store")
+    else:
+        why = (f"gave no answer in {GREETING_SECONDS}s to the rendezvous store's greeting: another program holds "
+               "that port, or the store's host is stuck")
+    raise RendezvousIncomplete(f"{host}:{port} accepts connections, but {why}. Choose another MASTER_PORT "
+                               "(--master-port), the same on every node, and look at rank 0's output")
 
 
 def port_unreachable(host: str, port: int, timeout_s: float = 1.0) -> str | None:
@@ -168,7 +197,8 @@ def port_unreachable(host: str, port: int, timeout_s: float = 1.0) -> str | None
 
 
 def wait_for_ranks(store: dist.Store, rank: int, world_size: int, local_world_size: int, where: str,
-                   timeout_s: float, report_every_s: float, advice: str = CHECK_ADVICE) -> None:
+                   timeout_s: float, report_every_s: float, advice: str = CHECK_ADVICE,
+                   store_host: str = "rank 0") -> None:
     """Each process says who it believes it is: its rank, the world size it was given, its
     machine. Rank 0 waits until the job is whole, saying who is missing at intervals, then says
     "go", or why the job will not start: processes that disagree on the world size, two that
@@ -177,12 +207,12 @@ def wait_for_ranks(store: dist.Store, rank: int, world_size: int, local_world_si
     silence (a process told of a larger world, forever), and time out without a name."""
     store.append("arrivals", f"{rank} {world_size} {socket.gethostname()};")
     if rank != 0:
-        word = word_of_rank_0(store, rank, where, timeout_s, report_every_s)
+        word = word_of_rank_0(store, rank, where, timeout_s, report_every_s, store_host)
         store.add("word-read", 1)
         if word != GO:
             error = (RendezvousMismatch if word.startswith(MISMATCH) else RendezvousIncomplete)(
                 f"rank {rank} on {socket.gethostname()}: rank 0 stopped the job at the rendezvous: {word}")
-            error.by_rank_0 = True
+            error.by_rank_0, error.word = True, word
             raise error
         return
     started = time.monotonic()
@@ -217,7 +247,8 @@ def say_to_all(store: dist.Store, word: str, others: int, wait_s: float = 10.0) 
         time.sleep(0.05)
 
 
-def word_of_rank_0(store: dist.Store, rank: int, where: str, timeout_s: float, report_every_s: float) -> str:
+def word_of_rank_0(store: dist.Store, rank: int, where: str, timeout_s: float, report_every_s: float,
+                   store_host: str = "rank 0") -> str:
     """What rank 0 says once it has seen every process: "go", or why not. Waiting for it is right
     while processes are missing; this one says so every `report_every_s` seconds (rank 0 names
     the missing). Rank 0 gives up at `timeout_s`; a little later this one does too."""
@@ -238,7 +269,7 @@ def word_of_rank_0(store: dist.Store, rank: int, where: str, timeout_s: float, r
         return store.get(WORD).decode()
     except dist.DistNetworkError:
         raise RendezvousIncomplete(f"rank {rank} on {host}: the rendezvous at {where} went away while this process "
-                                   "waited for rank 0 (it hosts the store: did it end? Its output says why)") from None
+                                   f"waited for rank 0 ({store_host} hosts it: did it end? Its output says why)") from None
 
 
 def arrivals(store: dist.Store) -> list[tuple[int, int, str]]:
@@ -287,8 +318,8 @@ def missing_ranks(missing: list[int], world_size: int, local_world_size: int, mo
     return ", ".join(names) + more
 
 
-def env_ranks(local_rank_arg: int | None = None) -> tuple[int, int, int, int] | None:
-    """(rank, local_rank, world_size, local_world_size) from torchrun or SLURM, else None.
+def env_ranks(local_rank_arg: int | None = None) -> Rendezvous | None:
+    """Who this process is, from torchrun's or SLURM's environment; None when neither started it.
 
     torchrun and `torch.distributed.launch --use_env` export RANK/LOCAL_RANK/WORLD_SIZE; the
     legacy launcher without --use_env passes --local-rank instead of LOCAL_RANK. Under `srun`
@@ -300,7 +331,7 @@ def env_ranks(local_rank_arg: int | None = None) -> tuple[int, int, int, int] | 
         world_size = int(env["WORLD_SIZE"])
         local_rank = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
         local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
-        return int(env["RANK"]), local_rank, world_size, local_world_size
+        return Rendezvous(int(env["RANK"]), local_rank, world_size, local_world_size)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
         if missing:
@@ -313,7 +344,7 @@ def env_ranks(local_rank_arg: int | None = None) -> tuple[int, int, int, int] | 
         local_world_size = int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0] or 0) or max(
             1, world_size // nodes
         )
-        return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), world_size, local_world_size
+        return Rendezvous(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), world_size, local_world_size)
     return None
 
 
@@ -337,20 +368,35 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store for processes this one starts, listening on host:port only.
+def host_store(args: argparse.Namespace) -> dist.TCPStore:
+    """The rendezvous store for the processes the spawn launcher starts: at --dist-url
+    tcp://HOST:PORT, else at MASTER_ADDR/MASTER_PORT, else on 127.0.0.1 at a free port (all its
+    processes run on this machine, so by default nothing listens beyond loopback, and gloo stays
+    on loopback too: keep_gloo_on_loopback). Listening on host:port only.
 
     Port 0 asks the OS for a free port while binding it, so two jobs started at the same
     moment cannot pick the same one (as "find a free port, then let rank 0 bind it" can).
     The socket is ours because TCPStore itself would listen on every interface.
     """
+    host, port = parse_dist_url(args.dist_url) or (os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                                    int(os.environ.get("MASTER_PORT", "0")))
+    store = store_listening_on(host, port, args.dist_timeout)
+    if loopback := keep_gloo_on_loopback(host):
+        print(f"GLOO_SOCKET_IFNAME={loopback} (gloo stays on loopback)")
+    return store
+
+
+def store_listening_on(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A TCPStore server on host:port (0: a free port), listening there only."""
     try:
         sock = socket.create_server((host, port), backlog=128)
     except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}): is MASTER_PORT used by another job?") from None
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}): is MASTER_PORT used by another job (or a "
+                        "second process started as rank 0)?") from None
     return dist.TCPStore(
         host, sock.getsockname()[1], None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False, master_listen_fd=sock.detach(),
+        use_libuv=False,  # torch 2.5's default backend, libuv, cannot take over a listening socket
     )
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -21,10 +20,10 @@ from torch.utils.data import DataLoader
 
 from multi_train_utils.checkpoint import load_checkpoint, shipped_weights
 from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, barrier, gather_objects
+from multi_train_utils.loaders import RunData
 from multi_train_utils.plotter import Plotter
-from multi_train_utils.recalibrate import recalibration
 from multi_train_utils.run_folder import BEST
-from multi_train_utils.train_eval_utils import Outputs, PlacedModel, validation_metrics, validation_outputs
+from multi_train_utils.train_eval_utils import Evaluation, Outputs, placed, validation_metrics, validation_outputs
 from utils import REPORT_FILE, DataSplit, write_json
 
 MAX_MISTAKES = 16
@@ -87,7 +86,7 @@ def class_metrics(confusion: list[list[int]], names: list[str]) -> dict[str, Any
     return {"macro_f1": sum(c["f1"] for c in per_class.values()) / len(names), "per_class": per_class}
 
 
-def write_report(output_dir: Path, report: dict[str, Any]) -> None:
+def write_report_files(output_dir: Path, report: dict[str, Any]) -> None:
     write_json(output_dir / REPORT_FILE, report)
     with open(output_dir / "confusion_matrix.csv", "w", newline="") as f:
         out = csv.writer(f)
@@ -102,25 +101,25 @@ def report_line(report: dict[str, Any]) -> str:
             f"macro F1 {report['macro_f1']:.4f}, {top}")
 
 
-@dataclasses.dataclass(frozen=True)
-class BestEpoch:
-    """The best epoch of this run so far, and this rank's validation outputs of the weights
-    best.pth ships (the model's or the average's): the final report is made from them."""
-
-    epoch: int
-    better: str  # "model" or "ema"
-    outputs: Outputs
-
-
-def report_of_best(best: BestEpoch | None, placed: PlacedModel, val_loader: DataLoader, split: DataSplit,
-                   output_dir: Path, ctx: DistContext) -> None:
-    """report.json for best.pth's weights, from the outputs its epoch's evaluation kept (no
-    second pass). When that epoch ran before a resume, best.pth is loaded and evaluated again."""
-    if best is not None:
-        final_report(best.outputs, split, best_source(output_dir / BEST, best.epoch, best.better), output_dir, ctx)
+def write_report(model: nn.Module, val_loader: DataLoader, data: RunData, output_dir: Path, args: argparse.Namespace,
+                 ctx: DistContext, best: tuple[int, Evaluation] | None = None,
+                 checkpoint: dict[str, Any] | None = None) -> None:
+    """report.json and confusion_matrix.csv. At the end of a run, for best.pth's weights, from
+    the outputs its epoch's evaluation kept on each rank (`best`: that epoch and its Evaluation;
+    no second pass); when that epoch ran before a resume, best.pth is loaded, after a barrier
+    (rank 0 may still be writing it), and evaluated again. Under --eval-only, for `model` with
+    the weights `checkpoint` ships (or --weights): evaluate_only. Collectives: an all_reduce of
+    the counts and an all_gather of the mistakes (and evaluate_only's all_reduce)."""
+    if args.eval_only:
+        evaluate_only(model, checkpoint, val_loader, data, output_dir, args, ctx)
         return
-    source = use_best_weights(output_dir, placed.module, ctx)
-    final_report(validation_outputs(placed, val_loader), split, source, output_dir, ctx)
+    if best is not None:
+        epoch, evaluated = best
+        source = best_source(output_dir / BEST, epoch, evaluated.better)
+        final_report(evaluated.outputs, data.split, source, output_dir, ctx)
+        return
+    source = use_best_weights(output_dir, model, ctx)
+    final_report(validation_outputs(placed(model, args, ctx.device), val_loader), data.split, source, output_dir, ctx)
 
 
 def best_source(path: Path, epoch: int, better: str) -> str:
@@ -143,23 +142,30 @@ def final_report(outputs: Outputs, split: DataSplit, source: str, output_dir: Pa
     report = evaluation_report(outputs, ctx, split, source)
     ctx.print0(report_line(report))
     if ctx.is_main:
-        write_report(output_dir, report)
+        write_report_files(output_dir, report)
 
 
-def evaluate_only(placed: PlacedModel, val_loader: DataLoader, split: DataSplit, source: str, output_dir: Path,
-                  plotter: Plotter | None, args: argparse.Namespace, ctx: DistContext) -> None:
-    """--eval-only: one pass over the validation set gives eval.json and the report. With
+def evaluate_only(model: nn.Module, checkpoint: dict[str, Any] | None, val_loader: DataLoader, data: RunData,
+                  output_dir: Path, args: argparse.Namespace, ctx: DistContext) -> None:
+    """--eval-only: the weights a checkpoint ships (--resume), or --weights, evaluated in one
+    pass over the validation set: eval.json and the report (and its pictures). With
     --bn-recalibrate the statistics are recomputed first (a checkpoint of a run that did so
-    holds them already: the same ones come out)."""
-    recalibrate = recalibration(split, args)
-    if recalibrate:
-        placed = recalibrate(placed, ctx)
-    outputs = validation_outputs(placed, val_loader)
+    holds them already: the same ones come out). Collectives: an all_reduce of the sums, then
+    the report's."""
+    source = args.weights
+    if checkpoint is not None:
+        model.load_state_dict(shipped_weights(checkpoint))
+        source = checkpoint["loaded_from"]
+    feed = placed(model, args, ctx.device)
+    if data.recalibrate:
+        feed = data.recalibrate(feed, ctx)
+    outputs = validation_outputs(feed, val_loader)
     result = validation_metrics(outputs, ctx)
     ctx.print0(f"eval {source}: acc {result['val_acc']:.4f} ({result['val_correct']}/{result['val_total']}), "
                f"loss {result['val_loss']:.4f}")
     if ctx.is_main:
         write_json(output_dir / "eval.json", {**result, "weights": source, "world_size": ctx.world_size})
-    final_report(outputs, split, source, output_dir, ctx)
-    if plotter:
-        plotter.draw_report()
+    final_report(outputs, data.split, source, output_dir, ctx)
+    if ctx.is_main and args.plots:
+        with Plotter(output_dir) as plotter:
+            plotter.draw_report()

@@ -1,13 +1,14 @@
-"""The run folder: rank 0 creates it and writes every file in it; a resumed run finds its place.
+"""The run folder: rank 0 creates it and writes every file in it; every rank reads the
+checkpoint a run goes on from.
 
-    config.json  class_indices.json  split.json     once, at the start (--time-budget's
-                                                    epoch count added after epoch 1)
-    last.pth  best.pth  metrics.jsonl  TensorBoard  after every epoch, by a background thread
+    config.json  class_indices.json  split.json     once, before the epochs (--time-budget's
+                                                    epoch count added when it is fixed)
+    last.pth  best.pth  metrics.jsonl  TensorBoard  after every epoch, by a thread beside the training
+    report.json  confusion_matrix.csv  *.png        at the end (report.py, plotter.py)
     eval.json                                       with --eval-only
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import time
@@ -16,18 +17,43 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from multi_train_utils.budget import EpochTime
-from multi_train_utils.checkpoint import Progress, copy_atomic, make_checkpoint, save_atomic, snapshot
+from multi_train_utils.checkpoint import check_architecture, copy_atomic, load_checkpoint, make_checkpoint, save_atomic, snapshot
+from multi_train_utils.progress import Progress
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import DistContext, broadcast_object
-from multi_train_utils.loaders import RunData
-from multi_train_utils.train_eval_utils import Evaluation, Training
-from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, DataSplit, ProjectError, UserError, read_json, save_split, write_json
+from multi_train_utils.ema import WeightAverage
+from multi_train_utils.plotter import Plotter
+from multi_train_utils.schedule import global_batch, peak_lr
+from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, DataSplit, ProjectError, UserError, save_split, write_json
 
 LAST, BEST = "last.pth", "best.pth"
 TENSORBOARD_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "train_images_per_sec")
+
+
+def open_run_folder(plan: Plan, ctx: DistContext) -> tuple[Path, dict[str, Any] | None]:
+    """The run folder, which rank 0 creates, and the checkpoint the run goes on from (--resume
+    PATH, or for `auto` the folder's last.pth if rank 0 finds one), read by every rank itself
+    (on several machines: from a shared file system); None for a new run. Collectives: two
+    broadcasts, so that every rank takes rank 0's folder and file, even if one appears meanwhile."""
+    args = plan.args
+    output_dir = prepare_output_dir(plan, ctx)
+    batch = global_batch(args, ctx)
+    accumulated = f" ({args.accum_steps} batches per step)" if args.accum_steps > 1 else ""
+    ctx.print0(f"config: {vars(args)}")
+    ctx.print0(f"{plan.launcher}: {ctx.world_size} process(es) on {ctx.device.type}, global batch {batch}{accumulated}, "
+               f"peak lr {peak_lr(args, ctx):.4g} (= {args.lr} x {batch}/256), output in {output_dir}")
+    path = args.resume
+    if path == "auto":
+        found = (output_dir / LAST).is_file() if ctx.is_main else None
+        path = str(output_dir / LAST) if broadcast_object(found, ctx) else None
+    if not path:
+        return output_dir, None
+    checkpoint = load_checkpoint(path)
+    check_architecture(checkpoint, args, path)
+    return output_dir, {**checkpoint, "loaded_from": path}
 
 
 def prepare_output_dir(plan: Plan, ctx: DistContext) -> Path:
@@ -51,20 +77,114 @@ def prepare_output_dir(plan: Plan, ctx: DistContext) -> Path:
     return Path(path)
 
 
-def write_run_files(output_dir: Path, plan: Plan, data: RunData, epochs_done: int, ctx: DistContext) -> None:
-    """What a run records: its configuration, classes and exact split, the files a resumed run
-    trains on again. A resumed run also forgets the epochs its checkpoint does not hold."""
-    write_json(output_dir / CONFIG_FILE, {**vars(plan.args), "launcher": plan.launcher, "world_size": ctx.world_size,
-                                          "torch": torch.__version__})
-    write_json(output_dir / "class_indices.json", dict(enumerate(data.split.class_names)))
-    save_split(data.split, output_dir / SPLIT_FILE, data.root)
-    restore_metrics(output_dir / METRICS_FILE, epochs_done)
+class CheckpointWriteFailed(ProjectError):
+    """Rank 0 could not write an epoch's files (a full disk, a lost network file system)."""
+
+    def __init__(self, epoch: int, error: BaseException, output_dir: Path):
+        reason = f"{type(error).__name__}: {error}" if not isinstance(error, OSError) else (
+            f"{error.strerror or error}" + (f": {error.filename}" if error.filename else ""))
+        try:
+            room = f"; {shutil.disk_usage(output_dir).free / 2**30:.2f} GiB free there"
+        except OSError:
+            room = ""
+        super().__init__(f"rank 0 could not write epoch {epoch}'s checkpoint and metrics to {output_dir} "
+                         f"({reason.strip()}{room}): a full disk, a file-size limit or a lost network file system")
+        self.epoch = epoch
 
 
-def record_budget_epochs(output_dir: Path, epochs: int) -> None:
-    """Add to config.json the epoch count --time-budget fixed."""
-    path = output_dir / CONFIG_FILE
-    write_json(path, {**read_json(path), "budget_epochs": epochs})
+class RunFiles:
+    """Rank 0's files of the run, for the state of `model` (unwrapped), `optimizer`, `scaler`
+    and `ema`. Made before the epochs: config.json, class_indices.json and split.json, and the
+    pictures of the data (plotter.py's processes, forked now). Each epoch's checkpoint and metrics
+    are written by one thread beside the training loop: the loop hands over a copy and goes on.
+    At most one epoch's files are in flight; the next hand-over waits for them, and so do a stop
+    (SIGTERM), the end of the run and a failure. A kill at any moment leaves the previous last.pth
+    whole: save_atomic renames a finished file into place. Used as a context manager: its end
+    waits for the files and the pictures, and says how the run's time went."""
+
+    def __init__(self, output_dir: Path, plan: Plan, split: DataSplit, data_root: str, progress: Progress,
+                 model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                 ema: WeightAverage | None, ctx: DistContext, began: float | None = None):
+        self.output_dir, self.args, self.split, self.progress, self.ctx = output_dir, plan.args, split, progress, ctx
+        self.model, self.optimizer, self.scaler, self.ema = model, optimizer, scaler, ema
+        self.began = began or time.perf_counter()
+        write_json(output_dir / CONFIG_FILE, {**vars(plan.args), "launcher": plan.launcher,
+                                              "world_size": ctx.world_size, "torch": torch.__version__})
+        write_json(output_dir / "class_indices.json", dict(enumerate(split.class_names)))
+        save_split(split, output_dir / SPLIT_FILE, data_root)
+        restore_metrics(output_dir / METRICS_FILE, progress.epoch)
+        # Forked before this object starts threads of its own: a child has the parent's imports.
+        self.plotter = Plotter(output_dir) if plan.args.plots else None
+        if self.plotter:
+            self.plotter.draw_data()
+        self.tensorboard = SummaryWriter(log_dir=str(output_dir))
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epoch-writer")
+        self._in_flight: list[Future] = []
+        self._epoch = 0  # the epoch whose files are in flight
+        self.epochs_began = self.epochs_ended = time.perf_counter()
+
+    def save_epoch(self, epoch: int, progress: Progress, train_stats: dict[str, Any], evaluated: Any,
+                   is_best: bool) -> None:
+        """Print the epoch's line, and write its checkpoint and metrics in the background.
+        `evaluated`: its Evaluation (train_eval_utils.py)."""
+        started = time.perf_counter()
+        self.wait()
+        record = epoch_record(epoch, train_stats, evaluated, global_batch(self.args, self.ctx), self.split,
+                              self.ctx.world_size)
+        copy = snapshot(make_checkpoint(self.model, self.optimizer, self.scaler, progress, self.args,
+                                        self.split.class_names, self.ctx.world_size,
+                                        self.ema.module if self.ema else None, evaluated.better, evaluated.evaluated_bn))
+        record["checkpoint_seconds"] = time.perf_counter() - started
+        print(epoch_line(record, progress.last_epoch, is_best), flush=True)
+        self._epoch = epoch
+        # The checkpoint goes first: metrics.jsonl never names an epoch that a resumed run trains again.
+        self._in_flight = [self._thread.submit(save_atomic, copy, self.output_dir / LAST),
+                           self._thread.submit(record_epoch, self.output_dir, record, is_best, self.tensorboard)]
+        self.epochs_ended = time.perf_counter()
+
+    def save_position(self, progress: Progress) -> None:
+        """A stopped run's last.pth, its position inside an epoch in `progress`, written now,
+        after the write in flight: the process exits next."""
+        self.wait()
+        try:
+            save_atomic(make_checkpoint(self.model, self.optimizer, self.scaler, progress, self.args,
+                                        self.split.class_names, self.ctx.world_size,
+                                        self.ema.module if self.ema else None), self.output_dir / LAST)
+        except (OSError, RuntimeError) as e:  # torch.save's RuntimeError: a full disk under its zip writer
+            raise CheckpointWriteFailed(progress.epoch + 1, e, self.output_dir) from None
+
+    def wait(self) -> None:
+        """Until the files in flight are on disk; a write that failed (a full disk) raises here,
+        as CheckpointWriteFailed."""
+        in_flight, self._in_flight = self._in_flight, []
+        for job in in_flight:
+            if (error := job.exception()) is not None:
+                raise CheckpointWriteFailed(self._epoch, error, self.output_dir) from None
+
+    def __enter__(self) -> RunFiles:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        """After the last epoch and the report: wait for the files and the pictures, then say
+        where the time went. After a failure, the error that ends the run is the one to report."""
+        ended = time.perf_counter()
+        try:
+            self.wait()
+        except Exception:
+            if kind is None:
+                raise
+        finally:
+            self._thread.shutdown()
+            self.tensorboard.close()
+            if self.plotter:
+                if kind is None:
+                    self.plotter.draw_results()
+                self.plotter.__exit__(kind)
+        if kind is None:
+            waited = f", {self.plotter.waited_line()}" if self.plotter else ""
+            print(f"time: start-up {self.epochs_began - self.began:.1f}s, epochs "
+                  f"{self.epochs_ended - self.epochs_began:.1f}s, final report {ended - self.epochs_ended:.1f}s{waited}")
+            print(f"done: best val_acc {self.progress.best_acc:.4f}; checkpoints and logs in {self.output_dir}", flush=True)
 
 
 def restore_metrics(path: Path, completed_epochs: int) -> None:
@@ -82,17 +202,8 @@ def restore_metrics(path: Path, completed_epochs: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def save_position(output_dir: Path, checkpoint: dict[str, Any]) -> None:
-    """Rank 0's file for a run stopped inside an epoch: last.pth alone; metrics.jsonl only ever
-    holds finished epochs."""
-    save_atomic(checkpoint, output_dir / LAST)
-
-
-def save_epoch(output_dir: Path, checkpoint: dict[str, Any], record: dict[str, Any], is_best: bool,
-               writer: SummaryWriter) -> None:
-    """Rank 0's files for one epoch. The checkpoint goes first: metrics.jsonl never mentions
-    an epoch that a resumed run would train again."""
-    save_atomic(checkpoint, output_dir / LAST)
+def record_epoch(output_dir: Path, record: dict[str, Any], is_best: bool, writer: SummaryWriter) -> None:
+    """After an epoch's last.pth: best.pth, metrics.jsonl and TensorBoard."""
     if is_best:
         copy_atomic(output_dir / LAST, output_dir / BEST)
     with open(output_dir / METRICS_FILE, "a") as f:
@@ -102,84 +213,8 @@ def save_epoch(output_dir: Path, checkpoint: dict[str, Any], record: dict[str, A
     writer.flush()
 
 
-class CheckpointWriteFailed(ProjectError):
-    """Rank 0 could not write an epoch's files (a full disk, a lost network file system)."""
-
-    def __init__(self, epoch: int, error: BaseException, output_dir: Path):
-        reason = f"{type(error).__name__}: {error}" if not isinstance(error, OSError) else (
-            f"{error.strerror or error}" + (f": {error.filename}" if error.filename else ""))
-        try:
-            room = f"; {shutil.disk_usage(output_dir).free / 2**30:.2f} GiB free there"
-        except OSError:
-            room = ""
-        super().__init__(f"rank 0 could not write epoch {epoch}'s checkpoint and metrics to {output_dir} "
-                         f"({reason.strip()}{room}): a full disk, a file-size limit or a lost network file system")
-        self.epoch = epoch
-
-
-class EpochWriter:
-    """Rank 0's files of each epoch, written by one thread beside the training loop: the loop
-    hands over a copy of the checkpoint and goes on training. At most one epoch's files are in
-    flight; the next hand-over waits for them, and so do a stop (SIGTERM), the end of the run and
-    a failure. A kill at any moment leaves the previous last.pth whole: save_atomic renames a
-    finished file into place."""
-
-    def __init__(self, output_dir: Path):
-        self.output_dir = output_dir
-        self.tensorboard = SummaryWriter(log_dir=str(output_dir))
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epoch-writer")
-        self._in_flight: Future | None = None
-        self._epoch = 0  # the epoch whose files are in flight
-
-    def save_epoch(self, checkpoint: dict[str, Any], record: dict[str, Any], is_best: bool) -> None:
-        """Write one epoch's files in the background. `record` gains checkpoint_seconds: what the
-        hand-over cost the loop (waiting for the previous epoch's files, copying the state)."""
-        started = time.perf_counter()
-        self.wait()
-        copy = snapshot(checkpoint)
-        record["checkpoint_seconds"] = time.perf_counter() - started
-        self._epoch = record["epoch"]
-        self._in_flight = self._thread.submit(save_epoch, self.output_dir, copy, record, is_best, self.tensorboard)
-
-    def save_position(self, checkpoint: dict[str, Any]) -> None:
-        """A stopped run's last.pth, written now, after the write in flight: the process exits next."""
-        self.wait()
-        try:
-            save_position(self.output_dir, checkpoint)
-        except OSError as e:
-            raise CheckpointWriteFailed(checkpoint["epoch"] + 1, e, self.output_dir) from None
-
-    def wait(self) -> None:
-        """Until the files in flight are on disk; a write that failed (a full disk) raises here,
-        as CheckpointWriteFailed."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None and (error := in_flight.exception()) is not None:
-            raise CheckpointWriteFailed(self._epoch, error, self.output_dir) from None
-
-    def __enter__(self) -> EpochWriter:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        try:
-            self.wait()
-        except Exception:
-            if kind is None:
-                raise  # else the error that is ending the run is the one to report
-        finally:
-            self._thread.shutdown()
-            self.tensorboard.close()
-
-
-def checkpoint_of(training: Training, progress: Progress, args: argparse.Namespace, split: DataSplit,
-                  ctx: DistContext, evaluated: Evaluation | None = None) -> dict[str, Any]:
-    """What the run has come to; `evaluated`: its last epoch's evaluation (none inside an epoch)."""
-    return make_checkpoint(training.placed.module, training.optimizer, training.scaler, progress, args,
-                           split.class_names, ctx.world_size, training.ema.module if training.ema else None,
-                           evaluated.better if evaluated else "model", evaluated.evaluated_bn if evaluated else None)
-
-
-def epoch_record(epoch: int, train: dict[str, float], evaluated: Evaluation, took: EpochTime, training: Training,
-                 split: DataSplit, ctx: DistContext) -> dict[str, Any]:
+def epoch_record(epoch: int, train: dict[str, Any], evaluated: Any, global_batch_size: int, split: DataSplit,
+                 world_size: int) -> dict[str, Any]:
     """One line of metrics.jsonl (its readers: plots.py and the benchmarks)."""
     return {
         "epoch": epoch,
@@ -188,13 +223,13 @@ def epoch_record(epoch: int, train: dict[str, float], evaluated: Evaluation, too
         "train_total": len(split.train),
         "train_seen": train["epoch_images"],  # drawn, over all processes: see docs/exactness.md
         **evaluated.val,
-        "lr": training.schedule(epoch * training.steps_per_epoch),  # where the epoch left the schedule
-        "epoch_seconds": took.train,
-        "eval_seconds": took.eval,
-        "train_images_per_sec": train["train_images"] / took.train,
+        "lr": train["lr"],  # where the epoch left the schedule
+        "epoch_seconds": train["seconds"],
+        "eval_seconds": evaluated.seconds,
+        "train_images_per_sec": train["train_images"] / train["seconds"],
         "data_wait_seconds": train["data_wait_seconds"],  # mean over processes; part of epoch_seconds
-        "world_size": ctx.world_size,
-        "global_batch_size": training.global_batch,
+        "world_size": world_size,
+        "global_batch_size": global_batch_size,
     }
 
 

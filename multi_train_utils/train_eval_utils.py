@@ -1,6 +1,6 @@
-"""Training and evaluation: the model built and put on its device, the optimizer and what a
-step uses, one training epoch (forward, backward, optimizer step), and exact evaluation. Each
-launcher strings them together in its own epoch loop."""
+"""Training and evaluation: the model built on its device, the optimizer, one training epoch
+(forward, `loss.backward()`, `optimizer.step()`) and exact evaluation. Each launcher strings
+them together in its own epoch loop; the collectives each makes are in its docstring."""
 from __future__ import annotations
 
 import argparse
@@ -9,24 +9,33 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from model import freeze_backbone, model_for, set_train_mode
+from multi_train_utils.budget import most_epochs
 from multi_train_utils.checkpoint import load_weights
+from multi_train_utils.progress import Progress
 from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum, broadcast_buffers
 from multi_train_utils.ema import WeightAverage
-from multi_train_utils.mixing import BatchMix, build_mix
-from multi_train_utils.schedule import Schedule, build_schedule, global_batch, peak_lr
+from multi_train_utils.mixing import build_mix
+from multi_train_utils.schedule import build_schedule, peak_lr
 from my_dataset import normalize
 from utils import TrainingDiverged
 
 # Steps between looks at the loss on the host: each look is one small collective and one
-# host sync, so the loop never waits on the device at every step.
+# host sync, so the loop never waits on the device at every step. Where steps are slow, the
+# looks come more often, about every LOOK_SECONDS: a SIGTERM is acted on at the next look, and
+# torchrun (like most schedulers) sends SIGKILL 30 s after its SIGTERM.
 CHECK_EVERY = 20
+LOOK_SECONDS = 5.0
 NO_BAD_STEP = 2**62
+# The clock an epoch's training and evaluation are timed by (--time-budget counts them); tests
+# replace it to fake slow epochs.
+clock = time.perf_counter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,20 +88,19 @@ def autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if device.type == "cpu" and native else None
 
 
-def build_model(args: argparse.Namespace, num_classes: int, device: torch.device,
-                say: Callable[[str], None] = print) -> PlacedModel:
-    """The model with its initial weights (seeded, or --weights), on the device. `say` takes
-    its lines (the launchers keep them to print in order: this runs beside the data's start-up)."""
+def build_model(args: argparse.Namespace, num_classes: int, ctx: DistContext) -> nn.Module:
+    """The model with its initial weights, seeded (the same on every rank) or --weights, on this
+    rank's device in the memory format asked for."""
     torch.manual_seed(args.seed)  # the same initial weights in every rerun (DDP then copies rank 0's to all)
     model = model_for(args, num_classes)
     if args.weights:
-        load_weights(model, args.weights, say, args.model)
+        load_weights(model, args.weights, ctx.print0, args.model)
     if args.freeze_layers:
         freeze_backbone(model)
-    placed = place_model(model, args, device)
+    placed = place_model(model, args, ctx.device)
     precision = "fp32" if placed.amp_dtype is None else str(placed.amp_dtype).removeprefix("torch.") + " autocast"
-    say(f"precision: {precision}, memory format: {'channels_last' if args.channels_last else 'NCHW'}")
-    return placed
+    ctx.print0(f"precision: {precision}, memory format: {'channels_last' if args.channels_last else 'NCHW'}")
+    return model
 
 
 def place_model(model: nn.Module, args: argparse.Namespace, device: torch.device) -> PlacedModel:
@@ -101,10 +109,20 @@ def place_model(model: nn.Module, args: argparse.Namespace, device: torch.device
     model.to(device, memory_format=memory_format)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input sizes: autotuned kernels pay off from step 2
+    return placed(model, args, device)
+
+
+def placed(model: nn.Module, args: argparse.Namespace, device: torch.device) -> PlacedModel:
+    """How `args` feed batches to `model` (already on `device`)."""
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     return PlacedModel(model, device, memory_format, autocast_dtype(args.amp, device), args.tta)
 
 
-def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, args: argparse.Namespace, device: torch.device
+                    ) -> tuple[torch.optim.Optimizer, torch.amp.GradScaler, WeightAverage | None]:
+    """SGD with Nesterov momentum over `model`'s parameters (built after the DDP wrap and any
+    layer swap, over the parameters the model has then); the loss scaler beside it; and under
+    --ema the average of the weights it steps (train_one_epoch updates it after each step)."""
     # Weight decay on BatchNorm scales and biases only fights the normalisation.
     decay, no_decay = [], []
     for param in model.parameters():
@@ -114,69 +132,12 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.O
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # The loop sets the learning rate at every step. The fused kernel updates all parameters
-    # in one pass; it exists for CPU and CUDA tensors.
-    return torch.optim.SGD(groups, lr=0.0, momentum=args.momentum, nesterov=args.momentum > 0, fused=True)
-
-
-class StoppedInEpoch(Exception):
-    """Every rank stopped at the same step because one was asked to (SIGTERM)."""
-
-    def __init__(self, steps_done: int, sums: list[float]):
-        super().__init__(f"stopped after step {steps_done}")
-        self.steps_done = steps_done
-        self.sums = sums  # loss sum, correct, images over all ranks so far
-
-
-def never() -> bool:
-    return False
-
-
-@dataclasses.dataclass(frozen=True)
-class Training:
-    """Everything a training step uses, assembled once by `build_training`."""
-
-    placed: PlacedModel
-    model: nn.Module  # as the loop calls it: in DistributedDataParallel in a job, compiled where asked
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    criterion: nn.Module
-    schedule: Schedule
-    steps_per_epoch: int  # optimizer steps
-    global_batch: int  # images per optimizer step, over all processes and accumulated batches
-    mix: BatchMix | None = None  # MixUp/CutMix
-    clip_grad_norm: float | None = None
-    ema: WeightAverage | None = None
-    accum_steps: int = 1  # batches per optimizer step
-    stop_requested: Callable[[], bool] = never  # read every CHECK_EVERY steps; all ranks then stop
-
-    def until(self, stop_requested: Callable[[], bool]) -> Training:
-        """The same training, stopping every rank at the step after `stop_requested` turns true on any."""
-        return dataclasses.replace(self, stop_requested=stop_requested)
-
-
-def build_training(placed: PlacedModel, args: argparse.Namespace, ctx: DistContext, batches_per_epoch: int,
-                   model: nn.Module | None = None) -> Training:
-    """The optimizer (SGD with Nesterov momentum), the learning-rate schedule, the loss and its
-    scaler, and what was asked for beside them (MixUp/CutMix, clipping, the weight average),
-    as every launcher and the benchmarks train. `model`: what the loop calls, the model in
-    DistributedDataParallel in a job (the launcher wraps it); `placed.module` alone otherwise.
-    `batches_per_epoch`: the training loader's length in this process."""
-    if model is None:
-        if ctx.distributed:
-            raise ValueError("in a process group the loop calls the model in DistributedDataParallel: pass it")
-        model = placed.module
-    if args.compile:
-        model = torch.compile(model)  # checkpoints and evaluation use the uncompiled placed.module
+    # train_one_epoch sets the learning rate at every step. The fused kernel updates all
+    # parameters in one pass; it exists for CPU and CUDA tensors.
+    optimizer = torch.optim.SGD(groups, lr=0.0, momentum=args.momentum, nesterov=args.momentum > 0, fused=True)
     # Loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's range.
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=placed.amp_dtype == torch.float16)
-    steps_per_epoch = math.ceil(batches_per_epoch / args.accum_steps)
-    return Training(placed, model, build_optimizer(placed.module, args), scaler,
-                    nn.CrossEntropyLoss(label_smoothing=args.label_smoothing),
-                    build_schedule(args, peak_lr(args, ctx), steps_per_epoch), steps_per_epoch,
-                    global_batch(args, ctx), build_mix(args, placed.module),
-                    args.clip_grad_norm, WeightAverage(placed.module, args.ema_decay) if args.ema else None,
-                    args.accum_steps)
+    scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype(args.amp, device) == torch.float16)
+    return optimizer, scaler, WeightAverage(model, args.ema_decay) if args.ema else None
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -184,69 +145,113 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def train_one_epoch(training: Training, loader: Iterable, ctx: DistContext, epoch: int, epochs: int,
-                    steps_done: int = 0, sums_so_far: Sequence[float] = (0.0, 0.0, 0.0)) -> dict[str, float]:
-    """One pass over this rank's shard, or its rest after `steps_done` batches that summed to
-    `sums_so_far` over all ranks: per batch forward, backward and, on the batch that closes an
-    optimizer step, the step itself; the loss and accuracy tallied on the device, looked at now
-    and then (Accumulation, EpochTally.look), and summed over the ranks once, at the end."""
-    model, placed = training.model, training.placed
+def never() -> bool:
+    return False
+
+
+def train_one_epoch(model: nn.Module, criterion: nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler, loader: Iterable, epoch: int, progress: Progress,
+                    args: argparse.Namespace, ctx: DistContext, ema: WeightAverage | None = None,
+                    stop_requested: Callable[[], bool] = never) -> dict[str, Any]:
+    """One pass over this rank's shard of the training images (the rest of it, for the epoch a
+    resumed run stopped in: `progress` says where): per batch the forward pass, `loss.backward()`
+    and, on the batch that closes an optimizer step (--accum-steps), the step itself.
+
+    Collectives: DDP's all-reduce of the gradients in each closing backward(); every CHECK_EVERY
+    steps an all_reduce(MIN) of two numbers (a non-finite loss anywhere ends the run, a
+    `stop_requested` anywhere stops every rank after this step: "stopped" in the result); and
+    one all_reduce(SUM) of the epoch's sums at its end. The result: the epoch's loss and
+    accuracy over all ranks, and its seconds, for the record."""
+    started = clock()
+    steps_done = progress.steps_in_epoch
+    steps = Accumulation(args.accum_steps, steps_done + len(loader), first=steps_done)
+    steps_per_epoch = math.ceil(steps.batches / args.accum_steps)
+    steps_before = (epoch - 1) * steps_per_epoch  # the earlier epochs' optimizer steps
+    schedule = build_schedule(args, peak_lr(args, ctx), steps_per_epoch, progress.budget_epochs)
+    feed = placed(unwrapped(model), args, ctx.device)
+    mix = build_mix(args, unwrapped(model))  # --mixup-alpha, --cutmix-alpha: else None
     set_train_mode(model)
-    tally = EpochTally(ctx, sums_so_far)
-    steps = Accumulation(training.accum_steps, steps_done + len(loader), (epoch - 1) * training.steps_per_epoch,
-                         first=steps_done)
+    tally = EpochTally(ctx, progress.epoch_sums)
     # Bars on rank 0 only, and only on a terminal (disable=None): logs stay free of them.
-    bar = tqdm(loader, desc=f"epoch {epoch}/{epochs}", disable=None if ctx.is_main else True, leave=False,
+    bar = tqdm(loader, desc=f"epoch {epoch}/{progress.budget_epochs or most_epochs(args)}", disable=None if ctx.is_main else True, leave=False,
                dynamic_ncols=True)
+    stopped = None
     for batch, (images, labels) in enumerate(tally.waited(bar), start=steps_done):
         at = steps.place(batch)
-        images, labels = placed.input(images), labels.to(ctx.device, non_blocking=True)
-        set_lr(training.optimizer, training.schedule(at.optimizer_step))
-        inputs, targets = training.mix(images, labels, at.batch_in_run) if training.mix else (images, labels)
+        step = steps_before + at.step_in_epoch
+        images, labels = feed.input(images), labels.to(ctx.device, non_blocking=True)
+        set_lr(optimizer, schedule(step))
+        inputs, targets = mix(images, labels, steps_before * args.accum_steps + batch) if mix else (images, labels)
         # DDP all-reduces the gradients during the backward pass of the batch that closes an
         # optimizer step; the batches before it (--accum-steps) add theirs up locally (no_sync).
         with contextlib.nullcontext() if at.closes or not ctx.distributed else model.no_sync():
-            with torch.autocast(ctx.device.type, dtype=placed.amp_dtype, enabled=placed.amp_dtype is not None):
+            with torch.autocast(ctx.device.type, dtype=feed.amp_dtype, enabled=feed.amp_dtype is not None):
                 logits = model(inputs)
-                loss = training.criterion(logits, targets)
-            training.scaler.scale(loss / at.batches_in_step).backward()  # the step takes the mean of its batches
+                loss = criterion(logits, targets)
+            scaler.scale(loss / at.batches_in_step).backward()  # the step takes the mean of its batches
         if at.closes:
-            apply_gradients(training, at.optimizer_step + 1)
+            if args.clip_grad_norm is not None:
+                scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
+                nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+            scaler.step(optimizer)  # optimizer.step(), unless fp16 gradients overflowed
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update(step + 1)
         tally.add(loss.detach(), logits, labels, batch)
-        if at.look:
-            tally.look(training, epoch, batch, steps.batches, bar)
+        if at.closes and at.look:
+            stop, batch_seconds = tally.look(optimizer, epoch, batch, steps.batches, bar, stop_requested)
+            if stop:
+                stopped = batch + 1
+                break
+            steps.looked(at.step_in_epoch, batch_seconds * args.accum_steps)
     bar.close()
-    return tally.metrics(all_reduce_sum(tally.local_sums(), ctx))  # the epoch's one all-reduce
+    totals = all_reduce_sum(tally.local_sums(), ctx)  # the epoch's one all-reduce
+    return {**tally.metrics(totals), "seconds": clock() - started, "stopped_after": stopped,
+            "lr": schedule(epoch * steps_per_epoch)}  # where the epoch left the schedule
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside DistributedDataParallel and torch.compile's wrappers."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, torch._dynamo.eval_frame.OptimizedModule)):
+        model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model._orig_mod
+    return model
 
 
 @dataclasses.dataclass(frozen=True)
 class StepPlace:
-    """Where a batch of an epoch falls among the run's optimizer steps."""
+    """Where a batch of an epoch falls among its optimizer steps."""
 
-    optimizer_step: int  # the run's optimizer steps before this batch's: the schedule's step
+    step_in_epoch: int  # the epoch's optimizer steps before this batch's
     closes: bool  # the last batch of its optimizer step: it all-reduces, and the step follows it
     batches_in_step: int  # --accum-steps, or fewer in an epoch's last step
-    batch_in_run: int  # the run's batches before this one: MixUp's and CutMix's draws follow it
     look: bool  # the tally is looked at after this batch (EpochTally.look)
 
 
 class Accumulation:
     """--accum-steps' arithmetic over one epoch of `batches` batches: every `k` batches make
     one optimizer step, and the epoch's last step takes the batches that are left. The tally is
-    looked at after every CHECK_EVERY-th step, the last, and the first this pass makes (from
-    batch `first`): a SIGTERM that came while the model evaluated or rank 0 saved is then acted
-    on at once, not CHECK_EVERY steps into the epoch."""
+    looked at after the first step this pass makes (from batch `first`: a SIGTERM that came
+    while the model evaluated or rank 0 saved is then acted on at once), then every
+    CHECK_EVERY-th step, or more often where steps take long (`looked`), and after the last."""
 
-    def __init__(self, k: int, batches: int, steps_before: int, first: int = 0):
-        self.k, self.batches, self.steps_before = k, batches, steps_before  # steps_before: the earlier epochs' steps
-        self.first_step = first // k
+    def __init__(self, k: int, batches: int, first: int = 0):
+        self.k, self.batches = k, batches
+        self.next_look = first // k
+        self.every = CHECK_EVERY
 
     def place(self, batch: int) -> StepPlace:
         k, in_epoch = self.k, batch // self.k
         closes = (batch + 1) % k == 0 or batch + 1 == self.batches
-        look = in_epoch == self.first_step or (in_epoch + 1) % CHECK_EVERY == 0 or batch + 1 == self.batches
-        return StepPlace(self.steps_before + in_epoch, closes, min(k, self.batches - in_epoch * k),
-                         self.steps_before * k + batch, closes and look)
+        look = in_epoch >= self.next_look or batch + 1 == self.batches
+        return StepPlace(in_epoch, closes, min(k, self.batches - in_epoch * k), look)
+
+    def looked(self, step: int, step_seconds: float) -> None:
+        """After the look at step `step`: the next at the next multiple of the interval, which is
+        CHECK_EVERY, or the steps that take LOOK_SECONDS at `step_seconds` (the slowest rank's,
+        from the look's all-reduce: the same on every rank, so all look at the same steps)."""
+        self.every = max(1, min(CHECK_EVERY, int(LOOK_SECONDS / max(step_seconds, 1e-9))))
+        self.next_look = ((step + 1) // self.every + 1) * self.every - 1
 
 
 class EpochTally:
@@ -264,6 +269,8 @@ class EpochTally:
         self.images = 0
         self.first_bad = torch.full((), NO_BAD_STEP, dtype=torch.int64, device=ctx.device)
         self.data_wait = 0.0
+        self.batches_seen = 0
+        self.started = time.perf_counter()  # the pace of the steps sets how often the loop looks
 
     def waited(self, batches: Iterable) -> Iterator:
         """`batches`, timing how long each was waited for: on a GPU, time it may have starved
@@ -278,52 +285,46 @@ class EpochTally:
         n = labels.numel()  # known on the host: a device tensor every step would be a copy to the GPU
         self.sums[:2] += torch.stack([loss.double() * n, (logits.argmax(1) == labels).sum().double()])
         self.images += n
+        self.batches_seen += 1
         # Remember the first non-finite batch on the device; no sync here.
         self.first_bad = torch.where(~torch.isfinite(loss) & (self.first_bad == NO_BAD_STEP), batch + 1, self.first_bad)
 
-    def look(self, training: Training, epoch: int, batch: int, batches: int, bar: tqdm) -> None:
-        """One small collective: a non-finite loss on any rank ends the run (TrainingDiverged),
-        and a stop asked of any rank stops every rank here (StoppedInEpoch)."""
-        stop = torch.tensor(-1 if training.stop_requested() else 0, device=self.ctx.device)
-        bad, stopping = all_reduce_min(torch.stack([self.first_bad, stop]), self.ctx).tolist()
+    def look(self, optimizer: torch.optim.Optimizer, epoch: int, batch: int, batches: int, bar: tqdm,
+             stop_requested: Callable[[], bool]) -> tuple[bool, float]:
+        """One small all_reduce(MIN): a non-finite loss on any rank ends the run
+        (TrainingDiverged). Returns whether a stop was asked of any rank (so that every rank
+        stops here), and the slowest rank's seconds per batch in this pass so far."""
+        stop = -1 if stop_requested() else 0
+        micros = int(1e6 * (time.perf_counter() - self.started) / max(1, self.batches_seen))
+        looked = torch.stack([self.first_bad, torch.tensor(stop, device=self.ctx.device),
+                              torch.tensor(-micros, device=self.ctx.device)])
+        bad, stopping, slowest = all_reduce_min(looked, self.ctx).tolist()
         if bad != NO_BAD_STEP:
             raise TrainingDiverged(f"the loss became NaN or infinite at epoch {epoch}, step {bad} of {batches}: "
                                    "lower --lr, or check the data")
         if stopping < 0:
-            self.sums[2] += self.images
-            raise StoppedInEpoch(batch + 1, all_reduce_sum(self.sums, self.ctx).tolist())
+            return True, -slowest / 1e6
         if self.ctx.is_main:
             loss_sum, correct, before = self.sums.tolist()
             bar.set_postfix(loss=f"{loss_sum / (before + self.images):.4f}",
                             acc=f"{correct / (before + self.images):.3f}",
-                            lr=f"{training.optimizer.param_groups[0]['lr']:.2e}", refresh=False)
+                            lr=f"{optimizer.param_groups[0]['lr']:.2e}", refresh=False)
+        return False, -slowest / 1e6
 
     def local_sums(self) -> torch.Tensor:
         """This rank's (loss x images, correct, images, seconds waiting for data), to be summed over ranks."""
         self.sums[2] += self.images
         return torch.cat([self.sums, self.sums.new_tensor([self.data_wait])])
 
-    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
+    def metrics(self, totals: torch.Tensor) -> dict[str, Any]:
         """The epoch's metrics from `local_sums` summed over all ranks. epoch_images: what the
         whole epoch trained on; train_images: what this call trained on (a resumed epoch's
-        rest), for the images/s figure."""
+        rest), for the images/s figure; sums: the running sums, which a stopped epoch's
+        position holds."""
         loss_sum, correct, count, waits = totals.tolist()
         return {"train_loss": loss_sum / count, "train_acc": correct / count, "epoch_images": int(count),
-                "train_images": int(count - self.before), "data_wait_seconds": waits / self.ctx.world_size}
-
-
-def apply_gradients(training: Training, optimizer_steps: int) -> None:
-    """The optimizer step on the accumulated gradients (clipped when asked), then the weight
-    average's; `optimizer_steps`: how many the run has taken, this one included."""
-    optimizer, scaler = training.optimizer, training.scaler
-    if training.clip_grad_norm is not None:
-        scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
-        nn.utils.clip_grad_norm_(training.placed.module.parameters(), training.clip_grad_norm)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    if training.ema is not None:
-        training.ema.update(optimizer_steps)
+                "train_images": int(count - self.before), "data_wait_seconds": waits / self.ctx.world_size,
+                "sums": (loss_sum, correct, count)}
 
 
 # This rank's (logits, labels, dataset indices) batches of one pass over the validation shard.
@@ -361,13 +362,14 @@ def batch_norm_statistics(module: nn.Module) -> dict[str, torch.Tensor]:
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
     """An epoch's evaluation: the metrics (the weight average's as ema_*), which weights
-    scored higher ("model" or "ema"), their outputs, and their recomputed BatchNorm statistics
-    (--bn-recalibrate; else None)."""
+    scored higher ("model" or "ema"), their outputs, their recomputed BatchNorm statistics
+    (--bn-recalibrate; else None), and the seconds it took."""
 
     val: dict[str, float]
     better: str
     outputs: Outputs
     evaluated_bn: dict[str, torch.Tensor] | None
+    seconds: float = 0.0
 
     @property
     def acc(self) -> float:
@@ -375,26 +377,31 @@ class Evaluation:
         return max(self.val["val_acc"], self.val.get("ema_val_acc", 0.0))
 
 
-def evaluate_epoch(training: Training, val_pass: Callable[[], Iterable], ctx: DistContext,
+def evaluate_epoch(model: nn.Module, loader: Iterable, args: argparse.Namespace, ctx: DistContext,
+                   ema: WeightAverage | None = None,
                    recalibrate: Callable[[PlacedModel, DistContext], PlacedModel] | None = None) -> Evaluation:
-    """The model's exact validation metrics, and its weight average's when there is one (each
-    over a pass that `val_pass` gives), each prepared by `recalibrate` when asked. Every rank
-    evaluates its own shard; the sums then go over the ranks in one all-reduce per model."""
-    modules = {"model": training.placed.module, **({"ema": training.ema.module} if training.ema else {})}
+    """The exact validation metrics of `model` (unwrapped: no DDP, not compiled), and of its
+    weight average when there is one, each prepared by `recalibrate` when asked. Every rank
+    evaluates its own shard. Collectives, per model: a broadcast of rank 0's BatchNorm
+    statistics (every rank evaluates the weights rank 0 saves), and one all_reduce(SUM) of
+    the shard's sums."""
+    started = clock()
+    modules = {"model": model, **({"ema": ema.module} if ema else {})}
     done = {}
     for name, module in modules.items():
         broadcast_buffers(module, ctx)  # rank 0's BatchNorm statistics: every rank evaluates the weights it saves
-        placed = training.placed.with_module(module)
+        feed = placed(module, args, ctx.device)
         if recalibrate:
-            placed = recalibrate(placed, ctx)
-        outputs = validation_outputs(placed, val_pass())
-        done[name] = (metrics_of(all_reduce_sum(validation_sums(outputs, ctx.device), ctx)), outputs, placed.module)
+            feed = recalibrate(feed, ctx)
+        outputs = validation_outputs(feed, loader)
+        done[name] = (metrics_of(all_reduce_sum(validation_sums(outputs, ctx.device), ctx)), outputs, feed.module)
     val = dict(done["model"][0])
     if "ema" in done:
         val.update({f"ema_{k}": v for k, v in done["ema"][0].items()})
     better = "ema" if "ema" in done and done["ema"][0]["val_acc"] > val["val_acc"] else "model"
     _, outputs, module = done[better]
-    return Evaluation(val, better, outputs, batch_norm_statistics(module) if recalibrate else None)
+    return Evaluation(val, better, outputs, batch_norm_statistics(module) if recalibrate else None,
+                      clock() - started)
 
 
 def evaluate(placed: PlacedModel, loader: Iterable, ctx: DistContext) -> dict[str, float]:

@@ -1,8 +1,9 @@
-"""Rank 0's epoch files written beside the training loop (run_folder.EpochWriter): the copy it
+"""Rank 0's epoch files written beside the training loop (run_folder.RunFiles): the copy it
 writes is the state at the hand-over, a failed write surfaces in the loop, and a process killed
 at any moment of a write leaves the previous last.pth whole."""
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import subprocess
@@ -14,40 +15,60 @@ import torch
 from conftest import REPO
 
 from multi_train_utils.checkpoint import load_checkpoint
-from multi_train_utils.run_folder import TENSORBOARD_SCALARS, EpochWriter
+from multi_train_utils.config import Plan
+from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.progress import Progress
+from multi_train_utils.run_folder import CheckpointWriteFailed, RunFiles
+from multi_train_utils.train_eval_utils import Evaluation
+from utils import DataSplit
+
+TRAIN_STATS = {"train_loss": 1.0, "train_acc": 0.5, "epoch_images": 8, "train_images": 8, "lr": 0.1, "seconds": 1.0,
+               "data_wait_seconds": 0.0}
+EVALUATED = Evaluation({"val_loss": 1.0, "val_acc": 0.5, "val_correct": 1, "val_total": 2}, "model", [], None, 0.5)
 
 
-def checkpoint_at(epoch: int, values: torch.Tensor) -> dict:
-    return {"model": {"w": values}, "optimizer": {}, "scaler": {}, "epoch": epoch, "best_acc": 0.0, "args": {},
-            "class_names": ["a", "b"]}
+def run_files(out, model: torch.nn.Module) -> tuple[RunFiles, Progress]:
+    """Rank 0's files of a run training `model`, as a launcher makes them (no plots)."""
+    args = argparse.Namespace(plots=False, batch_size=4, accum_steps=1, output_dir=str(out))
+    split = DataSplit(["a", "b"], [("a/1.jpg", 0)], [("b/1.jpg", 1)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    progress = Progress(last_epoch=10_000)
+    return RunFiles(out, Plan(args, "test", ["a", "b"], []), split, "data", progress, model, optimizer,
+                    torch.amp.GradScaler("cpu", enabled=False), None, DistContext.single()), progress
 
 
-def record_of(epoch: int) -> dict:
-    return {"epoch": epoch, **{key: 0.0 for key in TENSORBOARD_SCALARS}}
+def save(files: RunFiles, progress: Progress, epoch: int, is_best: bool) -> None:
+    progress.finish_epoch(epoch, 0.5, TRAIN_STATS, 0.5)
+    files.save_epoch(epoch, progress, TRAIN_STATS, EVALUATED, is_best)
 
 
 def test_the_file_holds_the_state_at_the_hand_over(tmp_path):
     """Training changes the weights in place right after handing them over; the file must not."""
-    weights = torch.zeros(1000)
-    with EpochWriter(tmp_path) as files:
-        files.save_epoch(checkpoint_at(1, weights), record_of(1), is_best=True)
-        weights += 1  # the next steps
-        files.save_epoch(checkpoint_at(2, weights), record_of(2), is_best=False)
-        weights += 1
-    assert torch.equal(load_checkpoint(tmp_path / "best.pth")["model"]["w"], torch.zeros(1000))
-    assert torch.equal(load_checkpoint(tmp_path / "last.pth")["model"]["w"], torch.ones(1000))
+    model = torch.nn.Linear(100, 10, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    files, progress = run_files(tmp_path, model)
+    with files, torch.no_grad():
+        save(files, progress, 1, is_best=True)
+        model.weight += 1  # the next steps
+        save(files, progress, 2, is_best=False)
+        model.weight += 1
+    assert torch.equal(load_checkpoint(tmp_path / "best.pth")["model"]["weight"], torch.zeros(10, 100))
+    assert torch.equal(load_checkpoint(tmp_path / "last.pth")["model"]["weight"], torch.ones(10, 100))
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["epoch"] for line in lines] == [1, 2] and all(line["checkpoint_seconds"] >= 0 for line in lines)
+    assert json.loads((tmp_path / "split.json").read_text())["class_names"] == ["a", "b"]
 
 
 def test_a_write_that_fails_raises_in_the_loop(tmp_path):
     """The error of a background write (here: a state torch.save cannot pickle) reaches the
     training loop at its next hand-over, and the previous epoch's files stay."""
-    files = EpochWriter(tmp_path)
-    files.save_epoch(checkpoint_at(1, torch.zeros(3)), record_of(1), is_best=False)
-    files.save_epoch({**checkpoint_at(2, torch.ones(3)), "args": {"bad": lambda: None}}, record_of(2), is_best=False)
-    with pytest.raises(Exception, match="pickle"):
-        files.save_epoch(checkpoint_at(3, torch.ones(3)), record_of(3), is_best=False)
+    files, progress = run_files(tmp_path, torch.nn.Linear(3, 1))
+    save(files, progress, 1, is_best=False)
+    files.args.bad = lambda: None  # the configuration, which every checkpoint holds, no longer pickles
+    save(files, progress, 2, is_best=False)
+    del files.args.bad
+    with pytest.raises(CheckpointWriteFailed, match="pickle"):
+        save(files, progress, 3, is_best=False)
     files.__exit__(None, None, None)
     assert load_checkpoint(tmp_path / "last.pth")["epoch"] == 1
     assert not list(tmp_path.glob(".*.tmp"))  # the failed write removed its temporary file
@@ -57,12 +78,14 @@ def test_a_write_that_fails_raises_in_the_loop(tmp_path):
 WRITER = """
 import sys, torch
 from pathlib import Path
-from multi_train_utils.run_folder import TENSORBOARD_SCALARS, EpochWriter
-with EpochWriter(Path(sys.argv[1])) as files:
+sys.path.insert(0, "tests")
+from test_background_writes import run_files, save
+model = torch.nn.Linear(1000, 2000, bias=False)
+files, progress = run_files(Path(sys.argv[1]), model)
+with files, torch.no_grad():
     for epoch in range(1, 10_000):
-        state = {"model": {"w": torch.full((2_000_000,), float(epoch))}, "optimizer": {}, "scaler": {},
-                 "epoch": epoch, "best_acc": 0.0, "args": {}, "class_names": ["a", "b"]}
-        files.save_epoch(state, {"epoch": epoch, **{k: 0.0 for k in TENSORBOARD_SCALARS}}, is_best=epoch % 2 == 1)
+        model.weight.fill_(float(epoch))
+        save(files, progress, epoch, is_best=epoch % 2 == 1)
         print(epoch, flush=True)
 """
 
@@ -83,9 +106,9 @@ def test_a_kill_at_any_moment_of_a_write_leaves_whole_files(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=60)
         last = load_checkpoint(out / "last.pth")
-        assert torch.equal(last["model"]["w"], torch.full((2_000_000,), float(last["epoch"])))
+        assert torch.equal(last["model"]["weight"], torch.full((2000, 1000), float(last["epoch"])))
         best = load_checkpoint(out / "best.pth")
-        assert best["epoch"] % 2 == 1 and best["model"]["w"][0] == best["epoch"] <= last["epoch"]
+        assert best["epoch"] % 2 == 1 and best["model"]["weight"][0, 0] == best["epoch"] <= last["epoch"]
         epochs = [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert epochs == list(range(1, len(epochs) + 1)) and len(epochs) in (last["epoch"] - 1, last["epoch"])
         # Temporary files of the write that was cut off: prepare_output_dir's pattern removes them.

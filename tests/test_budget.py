@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import FAST, SMALL_MODEL, args_for, call_main, copy_sample, metrics, user_error
 
-import multi_train_utils.epochs
+import multi_train_utils.train_eval_utils
 import train_single_gpu
 from multi_train_utils.budget import EpochTime, budget_message, epochs_that_fit, most_epochs, parse_duration, run_sizes
 from multi_train_utils.schedule import build_schedule
@@ -79,8 +79,8 @@ def test_epoch_1_does_not_depend_on_the_count():
 
 class FakeClock:
     """Advances `tick` seconds at every reading, `later_tick` after `readings` of them. The run
-    reads it twice before its first epoch and three times an epoch (start, after training, after
-    evaluation): an epoch takes a tick of training and a tick of evaluation."""
+    reads it four times an epoch (training's start and end, evaluation's start and end): an
+    epoch takes a tick of training and a tick of evaluation."""
 
     def __init__(self, tick: float, readings: int = 0, later_tick: float = 0.0):
         self.now, self.tick, self.readings, self.later_tick = 0.0, tick, readings, later_tick
@@ -92,7 +92,7 @@ class FakeClock:
 
 
 def train_in_process(data, out, clock, monkeypatch, *extra: str, epochs: int | None = 10) -> None:
-    monkeypatch.setattr(multi_train_utils.epochs, "clock", clock)
+    monkeypatch.setattr(multi_train_utils.train_eval_utils, "clock", clock)
     call_main(train_single_gpu.main, ["--data-path", str(data), "--output-dir", str(out), *FAST, *SMALL_MODEL,
                                       "--amp", "off", *(["--epochs", str(epochs)] if epochs else []), *extra])
 
@@ -119,7 +119,7 @@ def test_slow_epochs_end_early_and_a_resumed_run_keeps_the_count(tiny, tmp_path,
     train_in_process(tiny, tmp_path / "a", FakeClock(10), monkeypatch, "--time-budget", "110")
     assert "--time-budget 110 fits 5 epochs, fewer than --epochs 10: training 5" in capsys.readouterr().out
 
-    train_in_process(tiny, tmp_path / "b", FakeClock(10, readings=5, later_tick=20), monkeypatch,
+    train_in_process(tiny, tmp_path / "b", FakeClock(10, readings=4, later_tick=20), monkeypatch,
                      "--time-budget", "110")
     out = capsys.readouterr().out
     assert "ending after epoch 3 of 5" in out

@@ -46,9 +46,12 @@ def test_every_launcher_documents_the_same_options(capsys):
     scripts = {"single": train_single_gpu, "launch": train_multi_gpu_using_launch,
                "spawn": train_multi_gpu_using_spawn}
     for launcher, script in scripts.items():
-        with pytest.raises(SystemExit) as exit_info:
+        try:
             call_main(script.main, ["--help"])  # the script's own main(), in this process
-        assert exit_info.value.code == 0
+        except SystemExit as e:
+            assert e.code == 0
+        else:
+            assert launcher == "launch"  # torch's @record returns where an exit would be 0
         text = capsys.readouterr().out
         options = set(re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", text))  # whole options: --lrf is not --lr
         wanted = {"--data-path", "--download", "--val-rate", "--num-classes", "--epochs", "--batch-size",

@@ -19,7 +19,7 @@ from torchvision.transforms import v2
 import my_dataset
 from multi_train_utils.config import prepare
 from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.loaders import EpochPasses, build_loaders, readable_split
+from multi_train_utils.loaders import loaders_of, readable_split
 from multi_train_utils.train_eval_utils import model_input
 from my_dataset import (
     IMAGENET_MEAN,
@@ -217,26 +217,23 @@ def test_default_loader_workers(monkeypatch, device, cores, local_processes, exp
 
 
 @pytest.mark.slow
-def test_batches_loaded_ahead_are_the_batches_loaded_in_turn():
-    """EpochPasses begins the next epoch's training pass while the model evaluates, and the
-    validation pass during the last training step: two workers per loader then hand over what
-    the training process itself would have loaded, epoch after epoch (and a resumed epoch's
-    rest)."""
-    def passes(workers: str, ahead: bool) -> list[list[torch.Tensor]]:
+def test_batches_from_workers_are_the_batches_loaded_in_turn():
+    """Two persistent workers per loader hand over what the training process itself would have
+    loaded, epoch after epoch, a resumed epoch's rest (its first two batches skipped) and the
+    validation passes between them included."""
+    def passes(workers: str) -> list[list[torch.Tensor]]:
         plan = prepare(args_for("--workers", workers, "--batch-size", "16", "--img-size", "32"), "test", verbose=False)
         ctx = DistContext.single()
-        train_loader, val_loader = build_loaders(readable_split(plan, ctx), plan, ctx)
-        epochs = EpochPasses(train_loader, val_loader, val_ahead=ahead)
+        train_loader, val_loader, train_sampler = loaders_of(readable_split(plan, ctx), plan, ctx)
+        train_loader.sampler.skip_next_pass(32)  # epoch 1 resumed after two batches, as restore_training does
         seen = []
-        for epoch, skip in ((1, 32), (2, 0), (3, 0)):  # epoch 1 resumed after two batches
-            train_loader.sampler.set_epoch(epoch, skip=skip)  # as the launchers' epoch loop does
-            seen.append([images for images, _ in epochs.train(epoch)])
-            if ahead:
-                epochs.load_ahead(next_epoch=epoch + 1 if epoch < 3 else None)
-            seen.append([images for images, _ in epochs.val()])
+        for epoch in (1, 2, 3):
+            train_sampler.set_epoch(epoch)  # as the launchers' epoch loop does
+            seen.append([images for images, _ in train_loader])
+            seen.append([images for images, _ in val_loader])
         return seen
 
-    in_turn, loaded_ahead = passes("0", ahead=False), passes("2", ahead=True)
+    in_turn, from_workers = passes("0"), passes("2")
     assert [len(batches) for batches in in_turn] == [3, 2, 5, 2, 5, 2]
-    for theirs, ours in zip(in_turn, loaded_ahead, strict=True):
+    for theirs, ours in zip(in_turn, from_workers, strict=True):
         assert len(theirs) == len(ours) and all(torch.equal(a, b) for a, b in zip(theirs, ours))

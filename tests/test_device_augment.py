@@ -12,10 +12,10 @@ from conftest import args_for
 from torchvision.transforms.v2 import functional as TF
 
 from multi_train_utils.config import prepare
-from multi_train_utils.distributed_utils import DistContext, setup_process_group, teardown
-from multi_train_utils.rendezvous import find_free_port
+from multi_train_utils.distributed_utils import DistContext, init_distributed, teardown
+from multi_train_utils.rendezvous import Rendezvous, find_free_port
 from multi_train_utils.device_augment import DeviceAugmentedLoader, check_device_room
-from multi_train_utils.loaders import build_loaders, readable_split
+from multi_train_utils.loaders import loaders_of, readable_split
 from my_dataset import CropDraws, DeviceCrops, MyDataSet, normalize, train_transforms
 from utils import UserError
 
@@ -49,7 +49,7 @@ def test_a_crop_is_torchvisions_resized_crop_and_flip(box, flip, size):
 def loaders(*argv: str):
     plan = prepare(args_for("--workers", "0", "--batch-size", "8", *argv), "test", verbose=False)
     split = readable_split(plan, SINGLE)
-    return plan, split, *build_loaders(split, plan, SINGLE)
+    return plan, split, *loaders_of(split, plan, SINGLE)  # the training and validation loaders, the sampler
 
 
 @pytest.mark.parametrize("crop_scale", ["0.08", "0.35"])
@@ -57,11 +57,11 @@ def test_the_device_crops_what_the_loader_crops(crop_scale):
     """Real photos, drawn as the loader's transform draws them from the same --cache pixels:
     every crop shows the same part of the same picture, mirrored alike (within resampling),
     whatever the smallest share of the picture a crop may take."""
-    plan, split, loader, val_loader = loaders("--img-size", "64", "--cache", "--device-augment",
-                                              "--crop-scale", crop_scale)
+    plan, split, loader, val_loader, sampler = loaders("--img-size", "64", "--cache", "--device-augment",
+                                                       "--crop-scale", crop_scale)
     assert isinstance(loader, DeviceAugmentedLoader)
     on_cpu = MyDataSet(split.train, train_transforms(vars(plan.args)), 64, plan.args.seed, val_loader.dataset.cache)
-    loader.sampler.set_epoch(3)
+    sampler.set_epoch(3)
     draws, labels = next(iter(loader.draws))
     for row, image in zip(draws.tolist(), loader.crops(draws, 64)):
         same, other = (normalize(on_cpu[(epoch, row[0])][0][None].clone())[0] for epoch in (3, 4))
@@ -73,16 +73,18 @@ def test_the_device_crops_what_the_loader_crops(crop_scale):
 def test_an_epoch_started_part_way_gives_the_rest_of_the_same_batches():
     """What resuming inside an epoch relies on: skipping the trained samples leaves the
     following batches exactly as they were, pixels and labels."""
-    _, _, loader, _ = loaders("--img-size", "32", "--device-augment", "--min-img-size", "16", "--ramp-epochs", "2")
-    loader.sampler.set_epoch(1)
+    _, _, loader, _, sampler = loaders("--img-size", "32", "--device-augment", "--min-img-size", "16",
+                                       "--ramp-epochs", "2")
+    sampler.set_epoch(1)
     whole = list(loader)
     assert whole[0][0].shape == (8, 3, 16, 16)  # the ramp's first size
-    loader.sampler.set_epoch(1, skip=2 * 8)
+    loader.sampler.skip_next_pass(2 * 8)
+    assert len(loader) == len(whole) - 2
     rest = list(loader)
-    assert len(rest) == len(whole) - 2
+    assert len(rest) == len(whole) - 2 and len(loader) == len(whole)  # the skip is the next pass's only
     for (a, la), (b, lb) in zip(whole[2:], rest):
         assert torch.equal(a, b) and torch.equal(la, lb)
-    loader.sampler.set_epoch(2)
+    sampler.set_epoch(2)
     assert next(iter(loader))[0].shape == (8, 3, 32, 32)
 
 
@@ -93,12 +95,12 @@ def test_pixels_that_would_not_fit_are_refused():
 
 def _rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ctx = setup_process_group(rank, rank, 2, 2, "cpu", "gloo", 120)
+    ctx = init_distributed(Rendezvous(rank, rank, 2, 2), "cpu", "gloo", 120)
     try:
         plan = prepare(args_for("--workers", "0", "--batch-size", "8", "--img-size", "32", "--device-augment"), "t",
                        verbose=False)
-        loader = build_loaders(readable_split(plan, ctx), plan, ctx)[0]
-        loader.sampler.set_epoch(1)
+        loader, _, sampler = loaders_of(readable_split(plan, ctx), plan, ctx)
+        sampler.set_epoch(1)
         cuts = {row[0]: image for draws, _ in loader.draws for row, image in zip(draws.tolist(), loader.crops(draws, 32))}
         torch.save({"pixels": loader.crops.pixels, "cuts": cuts}, f"{out}/{rank}.pt")
     finally:
@@ -111,8 +113,8 @@ def test_two_processes_hold_the_pixels_of_one_and_cut_the_same_crops(tmp_path):
     pixels one process decodes alone, and each image's crop in an epoch is the one it gets in
     one process, whichever rank draws it."""
     mp.spawn(_rank, args=(find_free_port(), str(tmp_path)), nprocs=2)
-    _, _, loader, _ = loaders("--img-size", "32", "--device-augment")
-    loader.sampler.set_epoch(1)
+    _, _, loader, _, sampler = loaders("--img-size", "32", "--device-augment")
+    sampler.set_epoch(1)
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
     for rank in ranks:
         assert torch.equal(rank["pixels"], loader.crops.pixels)

@@ -1,7 +1,6 @@
 """Real process groups on CPU (gloo): torchrun and mp.spawn subprocesses, and DDP exactness."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -17,15 +16,15 @@ import torch.multiprocessing as mp
 from conftest import FAST, REPO, SAMPLE, SMALL_MODEL, args_for, launcher_cmd, metrics, ok, train, train_here
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import convert_sync_batchnorm, create_model
+from model import cpu_sync_batchnorm, create_model
 from multi_train_utils.checkpoint import REQUIRED_KEYS, load_checkpoint
 from multi_train_utils.config import prepare
 from multi_train_utils import distributed_utils
-from multi_train_utils.distributed_utils import DistContext, ShardSampler, setup_process_group, teardown
-from multi_train_utils.rendezvous import find_free_port
-from multi_train_utils.loaders import build_loaders, readable_split
-from multi_train_utils.train_eval_utils import PlacedModel, Training, build_optimizer, train_one_epoch
-from multi_train_utils.schedule import Schedule
+from multi_train_utils.distributed_utils import DistContext, ShardSampler, init_distributed, teardown
+from multi_train_utils.rendezvous import Rendezvous, find_free_port
+from multi_train_utils.loaders import loaders_of, readable_split
+from multi_train_utils.progress import Progress
+from multi_train_utils.train_eval_utils import build_optimizer, train_one_epoch
 from my_dataset import MyDataSet, build_transform, normalize
 from utils import TrainingDiverged, list_images, load_split
 
@@ -48,6 +47,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 @pytest.mark.parametrize("launcher, world_size", [("single", 1), ("launch", 2), ("spawn", 3)])
 def test_end_to_end(runs, launcher, world_size):
     out, result = runs[launcher]
@@ -117,13 +117,13 @@ def test_each_training_image_is_drawn_once_an_epoch_less_the_dropped_plus_the_pa
     split = readable_split(plan, DistContext.single())
     n, per_rank = len(split.train), -(-len(split.train) // world_size)  # 95, and ceil(95 / world_size)
     padding, kept = world_size * per_rank - n, per_rank - per_rank % 8
-    loaders = [build_loaders(split, plan, DistContext(r, r, world_size, world_size, torch.device("cpu"), True))[0]
+    loaders = [loaders_of(split, plan, DistContext(r, r, world_size, world_size, torch.device("cpu"), True))
                for r in range(world_size)]
     missed_by_epoch = []
     for epoch in (1, 2):
         drawn = []
-        for loader in loaders:
-            loader.sampler.set_epoch(epoch)
+        for loader, _, sampler in loaders:
+            sampler.set_epoch(epoch)
             drawn += [index for batch in loader.batch_sampler for e, index in batch if e == epoch]
         assert len(drawn) == world_size * kept == SEEN[world_size]
         counts = Counter(drawn)
@@ -198,19 +198,20 @@ def _real_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _step(model, ctx, images, labels, model_without_ddp=None):
+    """One optimizer step of train_one_epoch, at a learning rate of 0.05: the peak of a global
+    batch of 128 at --lr 0.1, reached at once (no warm-up), held (no decay)."""
     module = model_without_ddp or model
-    args = argparse.Namespace(weight_decay=1e-4, momentum=0.9)
-    training = Training(PlacedModel(module, ctx.device), model, build_optimizer(module, args),
-                        torch.amp.GradScaler("cpu", enabled=False), torch.nn.CrossEntropyLoss(label_smoothing=0.1),
-                        Schedule(peak=0.05, total_steps=1, warmup_steps=0, final_fraction=1.0), steps_per_epoch=1,
-                        global_batch=len(labels) * ctx.world_size)
-    train_one_epoch(training, [(images, labels)], ctx, epoch=1, epochs=1)
+    args = args_for("--weight-decay", "1e-4", "--amp", "off", "--no-channels-last", "--warmup-epochs", "0", "--lrf", "1",
+                    "--lr", str(0.1 * 128 / (len(labels) * ctx.world_size)), "--batch-size", str(len(labels)))
+    optimizer, scaler, _ = build_optimizer(module, args, ctx.device)
+    train_one_epoch(model, torch.nn.CrossEntropyLoss(label_smoothing=0.1), optimizer, scaler, [(images, labels)], 1,
+                    Progress(), args, ctx)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def _ddp_worker(rank: int, port: int, out_dir: str, per_rank: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ctx = setup_process_group(rank, rank, 2, 2, "cpu", "gloo", 120)
+    ctx = init_distributed(Rendezvous(rank, rank, 2, 2), "cpu", "gloo", 120)
     try:
         torch.set_default_dtype(torch.float64)
         images, labels = _real_batch(2 * per_rank)
@@ -219,7 +220,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str, per_rank: int) -> None:
             torch.manual_seed(0)
             model = create_model(5)
             if sync:
-                model = convert_sync_batchnorm(model, ctx.device)
+                model = cpu_sync_batchnorm(model)
             state = _step(DDP(model), ctx, images[mine], labels[mine], model_without_ddp=model)
             if rank == 0:
                 torch.save(state, os.path.join(out_dir, f"sync_{sync}.pt"))
@@ -260,8 +261,7 @@ def test_cpu_sync_batchnorm_matches_batchnorm_under_autocast(dtype):
     try:
         torch.manual_seed(0)
         x = torch.randn(6, 4, 5, 5) * 3 + 1
-        plain, sync = torch.nn.BatchNorm2d(4), convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(4)),
-                                                                      torch.device("cpu"))[0]
+        plain, sync = torch.nn.BatchNorm2d(4), cpu_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(4)))[0]
         outputs = []
         for layer in (plain, sync):
             inp = x.to(dtype).requires_grad_()
@@ -278,6 +278,7 @@ def test_cpu_sync_batchnorm_matches_batchnorm_under_autocast(dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_resume_equals_an_uninterrupted_run_and_the_seed_repeats_it(tmp_path):
     """Run A trains 3 epochs. Run B is the same command, stopped with Ctrl-C after its first
     checkpoint and resumed with --resume auto. B's losses equal A's in every epoch: before the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import sys
@@ -131,39 +132,49 @@ def test_a_master_addr_that_is_not_this_machines_is_named_before_rank_0_listens(
     assert not_local_problem("127.0.0.1", socket.gethostname()) is None
 
 
+def named_as_ended(err: str) -> set[int]:
+    """The ranks a rank's paragraph names as ended ("rank 3, rank 5 ended (found by rank 2)")."""
+    found = re.search(r"((?:rank \d+(?:, | and )?)+) ended \(found by rank \d+\)", err)
+    return {int(n) for n in re.findall(r"\d+", found[1])} if found else set()
+
+
 @pytest.mark.slow
-def test_a_rank_killed_in_training_is_named_by_the_others(tmp_path):
-    """No launcher agent watches (srun): rank 1 is killed in epoch 2; rank 0 meets the broken
-    collective within a second, names rank 1 after a roll call in the store, says which
-    checkpoint holds, and exits 1, long before --dist-timeout."""
-    procs = start_ranks(tmp_path, [2, 2], *SMALL_MODEL, "--epochs", "30", "--batch-size", "2", "--img-size", "64")
-    deadline = time.monotonic() + 120
+def test_a_rank_killed_in_training_is_named_by_every_other_rank(tmp_path):
+    """Six ranks started from the environment (as srun starts them; no agent watches), rank 3
+    killed in training: every other rank ends within a minute, with exit code 1 and no
+    traceback, naming rank 3 and no rank that is still there, and rank 0 says which checkpoint
+    holds. Most of them wait in a collective that gloo has not yet seen break: they learn the
+    cause from the store, from the first rank that found it."""
+    procs = start_ranks(tmp_path, [6] * 6, *SMALL_MODEL, "--epochs", "30", "--batch-size", "2")
+    deadline = time.monotonic() + 180
     while not (tmp_path / "metrics.jsonl").exists():
-        assert procs[0].poll() is None and time.monotonic() < deadline, finish(procs)
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, finish(procs)
         time.sleep(0.1)
-    os.kill(procs[1].pid, signal.SIGKILL)
+    os.kill(procs[3].pid, signal.SIGKILL)
     killed = time.monotonic()
-    (code, out, err), _ = finish(procs, timeout=60)
-    assert time.monotonic() - killed < 30
-    assert code == 1, err
-    no_traceback(err)
-    assert "the connection to another process of the job broke during a collective" in err
-    assert "rank 1 did not answer" in err
-    assert f"{tmp_path / 'last.pth'} holds epoch" in err and "--resume auto" in err
+    results = finish(procs, timeout=60)
+    assert time.monotonic() - killed < 60
+    for rank, (code, out, err) in enumerate(results):
+        if rank == 3:
+            continue
+        assert code == 1, (rank, code, err[-3000:])
+        no_traceback(err)
+        assert named_as_ended(err) == {3}, (rank, err[-3000:])
+    assert f"{tmp_path / 'last.pth'} holds epoch" in results[0][2] and "--resume auto" in results[0][2]
 
 
 @pytest.mark.slow
 def test_a_check_that_rank_0_ends_points_the_others_at_its_table(tmp_path):
     """--check with rank 2 of 3 missing: rank 0 names it in its table; rank 1 says in one line
-    that rank 0 ended the check, and where the reason is."""
+    that rank 0 ended the check, and rank 0's reason."""
     procs = start_ranks(tmp_path, [3, 3], "--check", "--check-timeout", "4")
     (code0, out0, err0), (code1, out1, err1) = finish(procs)
     assert code0 == code1 == 1
     no_traceback(out0, err0, out1, err1)
     assert "check: a job would not run (rendezvous)" in out0 and "missing: rank 2" in out0
     assert "--check" not in err0.split("rendezvous:", 1)[-1]  # no advice to run what is running
-    lines = err1.strip().splitlines()
-    assert len(lines) == 1 and "rank 0 ended the check at the rendezvous; its table, in rank 0's output" in lines[0]
+    lines = err1.strip().splitlines()  # rank 0's word, which reaches rank 1 on any machine
+    assert len(lines) == 1 and "rank 0 ended the check at the rendezvous: " in lines[0] and "missing: rank 2" in lines[0]
 
 
 @pytest.mark.slow

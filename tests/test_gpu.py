@@ -20,11 +20,12 @@ import torch.distributed as dist
 from conftest import SAMPLE, call_main, metrics, ok, run_cli, train
 
 import predict
-from model import convert_sync_batchnorm, create_model
+from model import create_model
 from multi_train_utils.config import get_args_parser, prepare
 from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.loaders import build_loaders, readable_split
-from multi_train_utils.train_eval_utils import build_training, place_model, train_one_epoch
+from multi_train_utils.loaders import loaders_of, readable_split
+from multi_train_utils.progress import Progress
+from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.slow,
               pytest.mark.gpu]
@@ -59,8 +60,8 @@ def test_batches_travel_pinned_as_uint8_and_become_float_on_the_gpu():
     args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *ON_GPU])
     plan = prepare(args, "test", verbose=False)
     ctx = DistContext.single(CUDA)
-    train_loader, _ = build_loaders(readable_split(plan, ctx), plan, ctx)
-    train_loader.sampler.set_epoch(1)
+    train_loader, _, sampler = loaders_of(readable_split(plan, ctx), plan, ctx)
+    sampler.set_epoch(1)
     images, labels = next(iter(train_loader))
     assert images.dtype == torch.uint8 and images.is_pinned()
     placed = place_model(create_model(5), args, CUDA)
@@ -75,13 +76,15 @@ def test_sync_bn_becomes_torch_syncbatchnorm_and_trains():
     try:
         args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *ON_GPU, "--sync-bn", "--epochs", "1"])
         ctx = DistContext(0, 0, 1, 1, CUDA, distributed=True)
-        placed = place_model(create_model(5), args, CUDA)
-        placed = placed.with_module(convert_sync_batchnorm(placed.module, CUDA))  # as the launchers convert it
-        model = DistributedDataParallel(placed.module, device_ids=[CUDA.index])
-        training = build_training(placed, args, ctx, batches_per_epoch=2, model=model)
-        assert any(isinstance(m, torch.nn.SyncBatchNorm) for m in training.placed.module.modules())
+        module = create_model(5)
+        place_model(module, args, CUDA)
+        module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)  # as the launchers convert it
+        model = DistributedDataParallel(module, device_ids=[CUDA.index])
+        optimizer, scaler, _ = build_optimizer(module, args, CUDA)
+        assert any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules())
         batch = (torch.randint(0, 256, (16, 3, 64, 64), dtype=torch.uint8), torch.randint(0, 5, (16,)))
-        result = train_one_epoch(training, [batch, batch], ctx, 1, 1)
+        result = train_one_epoch(model, torch.nn.CrossEntropyLoss(), optimizer, scaler, [batch, batch], 1, Progress(),
+                                 args, ctx)
         assert torch.isfinite(torch.tensor(result["train_loss"]))
     finally:
         dist.destroy_process_group()
@@ -95,8 +98,8 @@ def test_device_augment_cuts_on_the_gpu_what_it_cuts_on_the_cpu(tmp_path):
     crops = {}
     for device in (CUDA, torch.device("cpu")):
         ctx = DistContext.single(device)
-        loader = build_loaders(readable_split(plan, ctx), plan, ctx)[0]
-        loader.sampler.set_epoch(1)
+        loader, _, sampler = loaders_of(readable_split(plan, ctx), plan, ctx)
+        sampler.set_epoch(1)
         images, _ = next(iter(loader))
         assert images.device.type == device.type and images.dtype == torch.float32
         crops[device.type] = images.cpu()

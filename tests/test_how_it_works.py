@@ -53,7 +53,7 @@ SAME_FILE = re.compile(r"`([^`]+)`\s+\(same\s+file\)")
 MAP_CALL = re.compile(r"^( *)([A-Za-z_][\w.]*)\(\)")
 CUT = "..."  # the line that stands for lines an output block leaves out
 # The lines every training run prints on rank 0, in this order (an epoch line per epoch).
-RUN_LINES = (r"process group: ", r"config: ", r"\d+ images in \d+ classes", r"\w+: \d+ process\(es\) on ",
+RUN_LINES = (r"process group: ", r"config: ", r"\w+: \d+ process\(es\) on ", r"\d+ images in \d+ classes",
              r"precision: ", r"training: epoch ", r"epoch \d+/\d+: ", r"report on ", r"time: start-up ", r"done: ")
 # A redirection (2>&1, > out.log) is no argument of the command before it.
 REDIRECTION = re.compile(r"(?<!\S)\d*(?:>>|>&|<&|>|<)\s*(?:&\d+|\S+)")
@@ -535,14 +535,14 @@ def test_readme_links_the_page_on_its_first_screen():
     # A function renamed in the code but not on the page, and the other ways a page goes stale.
     (("`env_ranks()`", "`environment_ranks()`"), "`environment_ranks()`: defined nowhere"),
     (("`ShardSampler`", "`ShardedSampler`"), "`ShardedSampler`: defined nowhere"),
-    (("`PlacedModel.module`", "`PlacedModel.wrapped`"), "`PlacedModel.wrapped`: no such member"),
+    (("`RunData.loaders()`", "`RunData.train_loaders()`"), "`RunData.train_loaders()`: no such member"),
     (("`train_eval_utils.CHECK_EVERY`", "`train_eval_utils.CHECK_EVERY_STEPS`"), "not defined at the top"),
-    (("`torch.amp.GradScaler`", "`torch.amp.GradientScaler`"), "not in torch"),
+    (("`torch.optim.SGD`", "`torch.optim.SGDM`"), "not in torch"),
     (("`multi_train_utils/report.py`", "`multi_train_utils/reports.py`"), "no such file"),
-    (("`save_atomic()` in\n  `multi_train_utils/checkpoint.py`", "`save_atomic()` in\n  `multi_train_utils/run_folder.py`"),
+    (("`save_atomic()` in `multi_train_utils/checkpoint.py` writes", "`save_atomic()` in `multi_train_utils/run_folder.py` writes"),
      "`save_atomic()` is not defined in `multi_train_utils/run_folder.py`"),
-    (("build_loaders()               multi_train_utils/loaders.py", "build_loaders()               multi_train_utils/config.py"),
-     "map: build_loaders() is in none of multi_train_utils/config.py"),
+    (("build_datasets()              multi_train_utils/loaders.py", "build_datasets()              multi_train_utils/config.py"),
+     "map: build_datasets() is in none of multi_train_utils/config.py"),
     (("--img-size 32 --no-plots --output-dir runs/tour\n", "--img-sise 32 --no-plots --output-dir runs/tour\n"),
      "unrecognized arguments: --img-sise"),
     (("--world-size 2 --dist-url", "--world-sizes 2 --dist-url"), "unrecognized arguments: --world-sizes"),
@@ -550,40 +550,38 @@ def test_readme_links_the_page_on_its_first_screen():
       "data/flower_photos --epochs 1 --img-size 32 --no-plots --lr"), "--data-path data/flower_photos: not a folder"),
     (("train_single_gpu.py --device cpu", "train_single_gpu.py --device cuda"), "only with --device cpu"),
     (("torchrun --nproc_per_node=2 --no-python", "torchrun --nproc-per-nodes=2 --no-python"), "torch.distributed.run"),
-    (("process group: backend=gloo, world_size=2, rendezvous=127.0.0.1",
-      "process group joined: backend=gloo, world_size=2, rendezvous=127.0.0.1"), "printed by nothing in the code"),
+    (("process group: backend=gloo, world_size=2, rendezvous=localhost",
+      "process group joined: backend=gloo, world_size=2, rendezvous=localhost"), "printed by nothing in the code"),
     (("(multi-node.md#slurm)", "(multi-node.md#slurm-jobs)"), "no such heading"),
-    # The map in another order than the code's: the launcher reads the environment before the command line,
-    (("  env_ranks()                     multi_train_utils/rendezvous.py         rank, local rank, world size from the environment\n"
-      "  prepare()                       multi_train_utils/config.py             check the command line, list the images\n",
-      "  prepare()                       multi_train_utils/config.py             check the command line, list the images\n"
-      "  env_ranks()                     multi_train_utils/rendezvous.py         rank, local rank, world size from the environment\n"),
-     "map: main() does not call env_ranks() after prepare()"),
+    # The map in another order than the code's: the launcher joins the group before it trains,
+    (("  init_distributed()              multi_train_utils/distributed_utils.py\n",
+      "  train()                         train_multi_gpu_using_launch.py         the run, in every process: read it\n"
+      "  init_distributed()              multi_train_utils/distributed_utils.py\n"),
+     "map: main() does not call init_distributed() after train()"),
     # and wraps the model in DDP before the optimizer is built, not after;
     (("    torch.nn.parallel.DistributedDataParallel()                           the wrap\n"
-      "    build_training()              multi_train_utils/train_eval_utils.py   the optimizer, the schedule, the loss\n",
-      "    build_training()              multi_train_utils/train_eval_utils.py   the optimizer, the schedule, the loss\n"
+      "    build_optimizer()             multi_train_utils/train_eval_utils.py   after the wrap\n",
+      "    build_optimizer()             multi_train_utils/train_eval_utils.py   after the wrap\n"
       "    torch.nn.parallel.DistributedDataParallel()                           the wrap\n"),
-     "map: train() does not call torch.nn.parallel.DistributedDataParallel() after build_training()"),
-    # a call said to be made where it is not (train_one_epoch() steps through apply_gradients()).
-    (("      apply_gradients()           multi_train_utils/train_eval_utils.py   the optimizer step\n",
-      "      apply_gradients()           multi_train_utils/train_eval_utils.py   the optimizer step\n"
-      "        torch.optim.Optimizer.zero_grad()\n"
-      "      torch.amp.GradScaler.step()\n"), "map: train_one_epoch() does not call torch.amp.GradScaler.step()"),
+     "map: train() does not call torch.nn.parallel.DistributedDataParallel() after build_optimizer()"),
+    # a call said to be made where it is not (the optimizer's step is train_one_epoch's, not evaluate_epoch's).
+    (("      broadcast_buffers()         multi_train_utils/distributed_utils.py\n",
+      "      broadcast_buffers()         multi_train_utils/distributed_utils.py\n"
+      "      torch.amp.GradScaler.step()\n"), "map: evaluate_epoch() does not call torch.amp.GradScaler.step()"),
     # A skeleton call put in a function that does not make it.
     (("| `torch.nn.parallel.DistributedDataParallel.no_sync()` | `train_one_epoch()`",
-      "| `torch.nn.parallel.DistributedDataParallel.no_sync()` | `apply_gradients()`"),
-     "skeleton: `torch.nn.parallel.DistributedDataParallel.no_sync()` is not called in `apply_gradients()`"),
-    (("| `EpochSampler.set_epoch()` | `train()` in `train_multi_gpu_using_launch.py`",
-      "| `EpochSampler.set_epoch()` | `train_one_epoch()` in `multi_train_utils/train_eval_utils.py`"),
-     "skeleton: `EpochSampler.set_epoch()` is not called in `train_one_epoch()`"),
+      "| `torch.nn.parallel.DistributedDataParallel.no_sync()` | `evaluate_epoch()`"),
+     "skeleton: `torch.nn.parallel.DistributedDataParallel.no_sync()` is not called in `evaluate_epoch()`"),
+    (("| `torch.utils.data.DistributedSampler.set_epoch()` | `train()` in `train_multi_gpu_using_launch.py`",
+      "| `torch.utils.data.DistributedSampler.set_epoch()` | `train_one_epoch()` in `multi_train_utils/train_eval_utils.py`"),
+     "skeleton: `torch.utils.data.DistributedSampler.set_epoch()` is not called in `train_one_epoch()`"),
     # An output block that drops the config: line without saying so.
-    (("threads per process=1\n...\n120 images", "threads per process=1\n120 images"),
+    (("threads per process=1\n...\nlaunch:", "threads per process=1\nlaunch:"),
      "output block cut without a `...` line between: process group"),
     # A name given without its file, and a "(same file)" that names the wrong one.
     (("`image_seed()` in `my_dataset.py`", "`image_seed()`"), "`image_seed` is never given with its file"),
-    (("`set_lr()` (same file)", "`set_lr()` in `multi_train_utils/loaders.py`"),
-     "`set_lr()` is not defined in `multi_train_utils/loaders.py`"),
+    (("`join_processes()` (same file)", "`join_processes()` in `multi_train_utils/loaders.py`"),
+     "`join_processes()` is not defined in `multi_train_utils/loaders.py`"),
 ])
 def test_a_stale_page_is_caught(page, code, change, complaint):
     old, new = change

@@ -139,7 +139,7 @@ def with_change(module: str, extra: str) -> dict[str, str]:
     ("multi_train_utils.checkpoint", "import predict", "an entry script"),
     ("benchmarks", "from plots import _not_public", "private _not_public"),
     ("multi_train_utils.config", "import my_dataset\nx = my_dataset._secret", "uses the private my_dataset._secret"),
-    ("multi_train_utils.checkpoint", "from multi_train_utils import resume", "import cycle"),
+    ("multi_train_utils.checkpoint", "from multi_train_utils import run_folder", "import cycle"),
 ])
 def test_each_kind_of_wrong_import_is_caught(module, line, complaint):
     problems = violations(with_change(module, line))

@@ -8,7 +8,8 @@ import signal
 import sys
 
 import pytest
-from conftest import FAST, SAMPLE, SMALL_MODEL, kill_group, launcher_cmd, metrics, start, start_job, wait_for_epochs, wait_until_gone
+from conftest import (FAST, SAMPLE, SMALL_MODEL, child_pids, kill_group, launcher_cmd, metrics, start, start_job,
+                      wait_for_epochs, wait_until_gone)
 
 from multi_train_utils.rendezvous import find_free_port
 
@@ -91,3 +92,50 @@ def test_a_checkpoint_moves_between_launchers_and_world_sizes(tmp_path):
     for r, factor in zip(records, cosine):
         assert r["lr"] == pytest.approx(lr * batch * r["world_size"] / 256 * factor, rel=1e-6), r
 
+
+
+def agent(out, run_id: str, endpoint: str, nnodes: str, *extra: str) -> list[str]:
+    """One torchrun agent, as on a machine of its own, with one worker: an elastic job that
+    goes on from last.pth after a restart."""
+    return TORCHRUN + [f"--nnodes={nnodes}", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                       f"--rdzv-id={run_id}", "--max-restarts=1", "--monitor-interval=0.5",
+                       "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE), "--output-dir", str(out), *FAST,
+                       *SMALL_MODEL, "--resume", "auto", *extra]
+
+
+def test_two_agents_restart_after_a_worker_on_one_of_them_dies(tmp_path):
+    """Two torchrun agents on loopback (two "nodes", c10d rendezvous, --max-restarts=1); the
+    worker under the second is killed after epoch 1. Both agents restart their workers, which
+    meet as a new attempt (torch's store, none of the old attempt's keys), go on from last.pth,
+    finish, and log each epoch once; no rank names a false cause."""
+    endpoint = f"127.0.0.1:{find_free_port()}"
+    marker = "two-agents-" + tmp_path.name
+    first = start(agent(tmp_path, marker, endpoint, "2", "--epochs", "3"), env={"TEST_JOB_MARKER": marker})
+    second = start(agent(tmp_path, marker, endpoint, "2", "--epochs", "3"), env={"TEST_JOB_MARKER": marker})
+    wait_for_epochs(first, tmp_path, 1)
+    worker = child_pids(second.pid)
+    assert len(worker) == 1, worker
+    os.kill(worker[0], signal.SIGKILL)
+    results = finish([first, second])
+    assert [r["epoch"] for r in metrics(tmp_path)] == [1, 2, 3]
+    assert sum(out.count("resumed from") for _, out, _ in results) == 1  # rank 0 of the new attempt
+    for _, out, err in results:
+        assert "disagree" not in err and "claim rank" not in err, err[-3000:]
+
+
+def test_a_second_agent_joining_restarts_the_job_with_both(tmp_path):
+    """torchrun --nnodes=1:2: the job starts on one agent, and a second joins after epoch 1.
+    The first agent stops its worker (SIGTERM: it saves where it is), both restart as a job of
+    two without raising torchrun's restart count, and the run goes on from last.pth at the new
+    world size and finishes, each epoch logged once."""
+    endpoint = f"127.0.0.1:{find_free_port()}"
+    marker = "joining-" + tmp_path.name
+    first = start(agent(tmp_path, marker, endpoint, "1:2", "--epochs", "4"), env={"TEST_JOB_MARKER": marker})
+    wait_for_epochs(first, tmp_path, 1)
+    second = start(agent(tmp_path, marker, endpoint, "1:2", "--epochs", "4"), env={"TEST_JOB_MARKER": marker})
+    results = finish([first, second])
+    records = metrics(tmp_path)
+    assert [r["epoch"] for r in records] == [1, 2, 3, 4]
+    assert records[0]["world_size"] == 1 and records[-1]["world_size"] == 2
+    for _, out, err in results:
+        assert "disagree" not in err and "claim rank" not in err, err[-3000:]

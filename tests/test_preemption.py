@@ -3,7 +3,7 @@ on eviction) stops every rank at the same step; rank 0 saves the position inside
 job exits 75; `--resume auto` goes on from that step and ends as if nothing had happened."""
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import os
 import signal
 import sys
@@ -15,13 +15,14 @@ from conftest import FAST, SAMPLE, SMALL_MODEL, call_main, kill_group, launcher_
 import train_multi_gpu_using_spawn
 from model import create_model
 from multi_train_utils import train_eval_utils
-from multi_train_utils.checkpoint import Progress, load_checkpoint
+from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.config import get_args_parser
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.preemption import TerminationRequest
 from multi_train_utils.rendezvous import find_free_port
-from multi_train_utils.train_eval_utils import StoppedInEpoch, build_training, place_model, train_one_epoch
-from my_dataset import EpochSampler, MyDataSet, build_transform
+from multi_train_utils.progress import Progress
+from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
+from my_dataset import EpochKeys, MyDataSet, build_transform
 from utils import Preempted, list_images
 
 EXIT_PREEMPTED = Preempted.exit_code
@@ -30,51 +31,16 @@ EXIT_PREEMPTED = Preempted.exit_code
 SMALL_STEPS = ["--epochs", "2", "--batch-size", "2", *SMALL_MODEL]
 
 
-def test_sigterm_becomes_a_flag_and_the_old_handler_returns():
+def test_sigterm_becomes_a_flag_and_the_old_handler_returns(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
-    with TerminationRequest() as termination:
+    with TerminationRequest(tmp_path, DistContext.single()) as termination:
         assert not termination()
         os.kill(os.getpid(), signal.SIGTERM)
         assert termination()
     assert signal.getsignal(signal.SIGTERM) == before
 
-
-
-def test_a_sigterm_while_the_spawn_launcher_starts_its_processes_reaches_them(tmp_path, monkeypatch):
-    """The launcher's handler is in place before mp.spawn starts anything: a SIGTERM before it
-    would end the launcher by the default action and leave its processes running."""
-    processes = ["process 0", "process 1"]
-    forwarded = []
-
-    class Started:  # what mp.spawn(join=False) returns, its processes already done
-        def __init__(self):
-            self.processes = processes
-
-        def join(self, grace_period):
-            return True
-
-    def spawn(*args, **kwargs):
-        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, before), "no handler yet"
-        os.kill(os.getpid(), signal.SIGTERM)
-        return Started()
-
-    monkeypatch.setattr(train_multi_gpu_using_spawn.mp, "spawn", spawn)
-    monkeypatch.setattr(train_multi_gpu_using_spawn, "forward_signal",
-                        lambda procs, signum: forwarded.append((list(procs), signum)))
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)  # the launcher may set it
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        call_main(train_multi_gpu_using_spawn.main,
-                  ["--world-size", "2", "--data-path", str(SAMPLE), "--output-dir", str(tmp_path)])
-    finally:
-        signal.signal(signal.SIGTERM, before)
-    assert forwarded[-1] == (processes, signal.SIGTERM)
-
-
-def test_an_epoch_can_start_after_the_samples_already_trained_on():
     class Indices(torch.utils.data.Sampler):
-        def set_epoch(self, epoch):
-            pass
+        epoch = 3
 
         def __iter__(self):
             return iter(range(10))
@@ -82,61 +48,79 @@ def test_an_epoch_can_start_after_the_samples_already_trained_on():
         def __len__(self):
             return 10
 
-    sampler = EpochSampler(Indices())
-    sampler.set_epoch(3, skip=4)
-    assert list(sampler) == [(3, i) for i in range(4, 10)] and len(sampler) == 6
-    assert Progress(2, 0.5, 7, (1.0, 2.0, 3.0)).record(3, 0.4, 1.0, 1.0) is False
+    keys = EpochKeys(Indices())
+    keys.skip_next_pass(4)
+    assert len(keys) == 6 and list(keys) == [(3, i) for i in range(4, 10)]
+    assert len(keys) == 10 and list(keys) == [(3, i) for i in range(10)]  # the next pass whole again
     progress = Progress(2, 0.5, 7, (1.0, 2.0, 3.0), seconds_used=30.0, slowest_train=9.0)
-    progress.record(3, 0.6, 8.0, 2.0)
+    progress.finish_epoch(3, 0.6, {"seconds": 8.0, "epoch_images": 10, "train_images": 10}, 2.0)
     assert (progress.epoch, progress.steps_in_epoch, progress.epoch_sums, progress.best_acc) == (3, 0, (0, 0, 0), 0.6)
-    assert (progress.seconds_used, progress.slowest_train) == (40.0, 9.0)
+    assert (progress.seconds_used, progress.slowest_train, progress.first_epoch) == (40.0, 9.0, None)
+    progress.finish_epoch(1, 0.4, {"seconds": 4.0, "epoch_images": 10, "train_images": 5}, 1.0)
+    assert progress.best_acc == 0.6 and progress.first_epoch == (8.0, 1.0)  # a resumed epoch 1's rest, scaled
+
+
+def some_batches() -> tuple[argparse.Namespace, list[tuple[torch.Tensor, torch.Tensor]]]:
+    args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), "--epochs", "1", "--amp", "off"])
+    _, samples = list_images(str(SAMPLE))
+    dataset = MyDataSet(samples[::12], build_transform(32, train=True), 32, seed=0)
+    batches = [[dataset[(1, i)] for i in range(j, j + 2)] for j in range(0, 10, 2)]
+    return args, [(torch.stack([x for x, _ in b]), torch.tensor([y for _, y in b])) for b in batches]
 
 
 def test_stopping_inside_an_epoch_and_going_on_equals_the_whole_epoch(monkeypatch):
     """In one process: train an epoch whole, and again stopped at a check and resumed from the
     position the stop reports. Same parameters, same epoch loss."""
     monkeypatch.setattr(train_eval_utils, "CHECK_EVERY", 2)
-    args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), "--epochs", "1", "--amp", "off"])
-    _, samples = list_images(str(SAMPLE))
-    dataset = MyDataSet(samples[::12], build_transform(32, train=True), 32, seed=0)
-    batches = [[dataset[(1, i)] for i in range(j, j + 2)] for j in range(0, 10, 2)]
-    batches = [(torch.stack([x for x, _ in b]), torch.tensor([y for _, y in b])) for b in batches]
+    monkeypatch.setattr(train_eval_utils, "LOOK_SECONDS", 1e9)  # steps never count as slow here
+    args, batches = some_batches()
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
 
-    def fresh(stop_after_checks: int | None):
+    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
         torch.manual_seed(0)
-        training = build_training(place_model(create_model(5), args, torch.device("cpu")), args, DistContext.single(),
-                                  batches_per_epoch=len(batches))
-        checks = iter(range(10**6))
-        stop = (lambda: next(checks) >= stop_after_checks) if stop_after_checks is not None else (lambda: False)
-        return dataclasses.replace(training, stop_requested=stop)
+        model = create_model(5)
+        place_model(model, args, torch.device("cpu"))
+        return model, *build_optimizer(model, args, torch.device("cpu"))[:2]
 
-    whole = fresh(None)
-    expected = train_one_epoch(whole, batches, DistContext.single(), 1, 1)
-    stopped = fresh(2)  # the third check, after step 4 (the first is after step 1, then every 2)
-    with pytest.raises(StoppedInEpoch) as info:
-        train_one_epoch(stopped, batches, DistContext.single(), 1, 1)
-    assert info.value.steps_done == 4 and info.value.sums[2] == 8
-    going_on = dataclasses.replace(stopped, stop_requested=lambda: False)
-    result = train_one_epoch(going_on, batches[4:], DistContext.single(), 1, 1, 4, info.value.sums)
+    whole, optimizer, scaler = fresh()
+    expected = train_one_epoch(whole, criterion, optimizer, scaler, batches, 1, Progress(), args, DistContext.single())
+    assert expected["stopped_after"] is None
+    stopped, optimizer, scaler = fresh()
+    checks = iter(range(10**6))
+    result = train_one_epoch(stopped, criterion, optimizer, scaler, batches, 1, Progress(), args, DistContext.single(),
+                             stop_requested=lambda: next(checks) >= 2)
+    # The third check, after step 4 (the first is after step 1, then every 2).
+    assert result["stopped_after"] == 4 and result["sums"][2] == 8
+    position = Progress(steps_in_epoch=4, epoch_sums=result["sums"])
+    result = train_one_epoch(stopped, criterion, optimizer, scaler, batches[4:], 1, position, args,
+                             DistContext.single())
     assert result["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-12)
     assert result["train_acc"] == expected["train_acc"] and result["train_images"] == 2
-    for a, b in zip(whole.placed.module.state_dict().values(), stopped.placed.module.state_dict().values()):
+    for a, b in zip(whole.state_dict().values(), stopped.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_slow_steps_are_looked_at_more_often():
+    """A SIGTERM waits for the next look: with steps of 2 s, a look every 2 steps (LOOK_SECONDS,
+    5 s), not every 20; fast steps keep every 20th; the interval follows the slowest rank."""
+    steps = train_eval_utils.Accumulation(1, 100)
+    looks = [step for step in range(100) if steps.place(step).look and (steps.looked(step, 2.0) or True)]
+    assert looks[:4] == [0, 1, 3, 5] and looks[-1] == 99
+    steps = train_eval_utils.Accumulation(1, 100)
+    looks = [step for step in range(100) if steps.place(step).look and (steps.looked(step, 0.01) or True)]
+    assert looks == [0, 19, 39, 59, 79, 99]
 
 
 def test_a_sigterm_that_came_between_epochs_stops_the_next_after_its_first_step():
     """A SIGTERM that arrived while the model evaluated or rank 0 saved is acted on after the
     next epoch's first step, not CHECK_EVERY (20) steps into it: schedulers kill 30 s or so later."""
-    args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), "--epochs", "1", "--amp", "off"])
-    _, samples = list_images(str(SAMPLE))
-    dataset = MyDataSet(samples[::12], build_transform(32, train=True), 32, seed=0)
-    batches = [[dataset[(1, i)] for i in range(j, j + 2)] for j in range(0, 10, 2)]
-    batches = [(torch.stack([x for x, _ in b]), torch.tensor([y for _, y in b])) for b in batches]
-    training = build_training(place_model(create_model(5), args, torch.device("cpu")), args, DistContext.single(),
-                              batches_per_epoch=len(batches))
-    with pytest.raises(StoppedInEpoch) as info:
-        train_one_epoch(training.until(lambda: True), batches, DistContext.single(), 2, 2)
-    assert info.value.steps_done == 1
+    args, batches = some_batches()
+    model = create_model(5)
+    place_model(model, args, torch.device("cpu"))
+    optimizer, scaler, _ = build_optimizer(model, args, torch.device("cpu"))
+    result = train_one_epoch(model, torch.nn.CrossEntropyLoss(), optimizer, scaler, batches, 2, Progress(epoch=1), args,
+                             DistContext.single(), stop_requested=lambda: True)
+    assert result["stopped_after"] == 1
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,13 @@ from model import BlurConv2d, classifier, create_model, freeze_backbone
 from multi_train_utils.checkpoint import load_checkpoint, model_from_checkpoint
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.recalibrate import BatchNormRecalibration
+from multi_train_utils.mixing import build_mix
+from multi_train_utils.progress import Progress
+from multi_train_utils.schedule import build_schedule, global_batch, peak_lr
 from multi_train_utils.train_eval_utils import (
     PlacedModel,
     batch_norm_statistics,
-    build_training,
+    build_optimizer,
     place_model,
     train_one_epoch,
 )
@@ -82,18 +85,16 @@ def test_the_other_policies_run_on_uint8_pixels(policy):
 
 
 def test_mixing_is_torchvisions_and_repeats_with_the_batch():
-    training = build_training(place_model(create_model(5), args_for("--mixup-alpha", "0.4", "--cutmix-alpha", "1.0"),
-                                          CPU), args_for("--mixup-alpha", "0.4", "--cutmix-alpha", "1.0"),
-                              DistContext.single(), batches_per_epoch=1)
-    assert isinstance(training.mix.transform, v2.RandomChoice)
+    mix = build_mix(args_for("--mixup-alpha", "0.4", "--cutmix-alpha", "1.0"), create_model(5))
+    assert isinstance(mix.transform, v2.RandomChoice)
     images, labels = sample_batch(4)
     images = images.float()
-    a, targets = training.mix(images, labels, batch=7)
-    b, again = training.mix(images, labels, batch=7)
+    a, targets = mix(images, labels, batch=7)
+    b, again = mix(images, labels, batch=7)
     assert torch.equal(a, b) and torch.equal(targets, again)
     assert targets.shape == (4, 5) and torch.allclose(targets.sum(1), torch.ones(4))
     assert not torch.equal(a, images)  # the batch was mixed
-    assert any(not torch.equal(training.mix(images, labels, batch)[0], a) for batch in range(8, 12))
+    assert any(not torch.equal(mix(images, labels, batch)[0], a) for batch in range(8, 12))
 
 
 def test_clipping_bounds_the_first_step():
@@ -101,10 +102,10 @@ def test_clipping_bounds_the_first_step():
     with the gradient clipped to norm c the step's norm is lr * (1 + m) * c exactly."""
     torch.manual_seed(0)
     before = [p.detach().clone() for p in create_model(5).parameters()]  # what one_step starts from
-    training = one_step(["--clip-grad-norm", "0.01"], [sample_batch(4)])
+    model, args = one_step(["--clip-grad-norm", "0.01"], [sample_batch(4)])
     moved = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.detach() - b)
-                                                  for p, b in zip(training.placed.module.parameters(), before)]))
-    assert moved.item() == pytest.approx(training.schedule(0) * 1.9 * 0.01, rel=1e-3)
+                                                  for p, b in zip(model.parameters(), before)]))
+    assert moved.item() == pytest.approx(first_lr(args) * 1.9 * 0.01, rel=1e-3)
 
 
 def test_the_weight_average_follows_its_warmed_up_decay():
@@ -209,15 +210,22 @@ def test_a_run_with_another_model_an_average_and_mirror_evaluation(tmp_path, cap
 
 
 def one_step(argv: list[str], batches: list, ctx: DistContext = DistContext.single()):
-    """A fresh, seeded model trained on `batches` (one epoch) with the options in `argv`."""
+    """A fresh, seeded model trained on `batches` (one epoch) with the options in `argv`; and the options."""
     args = args_for("--amp", "off", "--warmup-epochs", "0", "--weight-decay", "0", *argv)
     torch.manual_seed(0)
     model = create_model(5)
     if args.freeze_layers:
         freeze_backbone(model)
-    training = build_training(place_model(model, args, CPU), args, ctx, batches_per_epoch=len(batches))
-    train_one_epoch(training, batches, ctx, 1, 1)
-    return training
+    place_model(model, args, CPU)
+    optimizer, scaler, _ = build_optimizer(model, args, CPU)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    train_one_epoch(model, criterion, optimizer, scaler, batches, 1, Progress(), args, ctx)
+    return model, args
+
+
+def first_lr(args, ctx: DistContext = DistContext.single()) -> float:
+    """The learning rate of a run's first step (an epoch of one step)."""
+    return build_schedule(args, peak_lr(args, ctx), 1)(0)
 
 
 def test_accumulating_two_batches_of_4_is_one_batch_of_8():
@@ -225,14 +233,15 @@ def test_accumulating_two_batches_of_4_is_one_batch_of_8():
     statistics do not depend on how it is split): one optimizer step over 2 x 4 images moves
     the weights as one step over the same 8 images does, at the learning rate of a batch of 8."""
     images, labels = sample_batch(8)
-    whole = one_step(["--freeze-layers", "--batch-size", "8"], [(images, labels)])
-    halves = one_step(["--freeze-layers", "--batch-size", "4", "--accum-steps", "2"],
-                      [(images[:4], labels[:4]), (images[4:], labels[4:])])
-    assert halves.steps_per_epoch == whole.steps_per_epoch == 1 and halves.global_batch == 8
-    assert halves.schedule(0) == whole.schedule(0)
-    torch.testing.assert_close(halves.placed.module.fc.weight, whole.placed.module.fc.weight, rtol=1e-5, atol=1e-7)
-    apart = one_step(["--freeze-layers", "--batch-size", "4"], [(images[:4], labels[:4]), (images[4:], labels[4:])])
-    assert not torch.allclose(apart.placed.module.fc.weight, whole.placed.module.fc.weight, atol=1e-6)
+    whole, whole_args = one_step(["--freeze-layers", "--batch-size", "8"], [(images, labels)])
+    halves, halves_args = one_step(["--freeze-layers", "--batch-size", "4", "--accum-steps", "2"],
+                                   [(images[:4], labels[:4]), (images[4:], labels[4:])])
+    single = DistContext.single()
+    assert global_batch(halves_args, single) == global_batch(whole_args, single) == 8
+    assert first_lr(halves_args) == first_lr(whole_args)
+    torch.testing.assert_close(halves.fc.weight, whole.fc.weight, rtol=1e-5, atol=1e-7)
+    apart, _ = one_step(["--freeze-layers", "--batch-size", "4"], [(images[:4], labels[:4]), (images[4:], labels[4:])])
+    assert not torch.allclose(apart.fc.weight, whole.fc.weight, atol=1e-6)
 
 
 def test_accumulation_all_reduces_once_per_optimizer_step():
@@ -244,17 +253,20 @@ def test_accumulation_all_reduces_once_per_optimizer_step():
         counts = {}
         for k in (1, 2):
             args = args_for("--amp", "off", "--batch-size", "2", "--accum-steps", str(k))
-            placed = place_model(create_model(5), args, CPU)
-            training = build_training(placed, args, ctx, batches_per_epoch=4, model=DistributedDataParallel(placed.module))
+            model = create_model(5)
+            place_model(model, args, CPU)
+            optimizer, scaler, _ = build_optimizer(model, args, CPU)
+            ddp = DistributedDataParallel(model)
             calls = []
 
             def hook(state, bucket):
                 calls.append(bucket.index())
                 return default_hooks.allreduce_hook(state, bucket)
 
-            training.model.register_comm_hook(None, hook)
+            ddp.register_comm_hook(None, hook)
             images, labels = sample_batch(8)
-            train_one_epoch(training, [(images[i:i + 2], labels[i:i + 2]) for i in range(0, 8, 2)], ctx, 1, 1)
+            train_one_epoch(ddp, torch.nn.CrossEntropyLoss(), optimizer, scaler,
+                            [(images[i:i + 2], labels[i:i + 2]) for i in range(0, 8, 2)], 1, Progress(), args, ctx)
             counts[k] = calls.count(0)  # bucket 0 is all-reduced once per synchronised backward
         assert counts == {1: 4, 2: 2}
     finally:

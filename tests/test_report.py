@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.report import MAX_MISTAKES, class_metrics, evaluation_report, top_ks, write_report
+from multi_train_utils.report import MAX_MISTAKES, class_metrics, evaluation_report, top_ks, write_report_files
 from utils import DataSplit
 
 NAMES = ["cat", "dog", "fox"]
@@ -54,7 +54,7 @@ def test_report_from_known_predictions(tmp_path):
         ("img5.jpg", "fox", "cat"), ("img1.jpg", "cat", "dog"), ("img3.jpg", "dog", "cat")]
     assert report["mistakes"][0]["probability"] == pytest.approx(0.95)
 
-    write_report(tmp_path, report)
+    write_report_files(tmp_path, report)
     with open(tmp_path / "confusion_matrix.csv") as f:
         rows = list(csv.reader(f))
     assert rows == [["true \\ predicted", *NAMES], ["cat", "1", "1", "0"], ["dog", "1", "1", "0"], ["fox", "1", "0", "1"]]

@@ -13,7 +13,8 @@ from model import create_model, freeze_backbone
 from multi_train_utils.checkpoint import load_weights
 from multi_train_utils.config import get_args_parser
 from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.train_eval_utils import autocast_dtype, build_training, place_model, train_one_epoch
+from multi_train_utils.progress import Progress
+from multi_train_utils.train_eval_utils import autocast_dtype, build_optimizer, place_model, train_one_epoch
 from multi_train_utils.schedule import build_schedule
 
 CPU = torch.device("cpu")
@@ -58,14 +59,15 @@ def test_frozen_backbone_keeps_its_batchnorm_statistics():
     torch.manual_seed(0)
     model = create_model(5)
     freeze_backbone(model)
-    placed = place_model(model, args_for("--freeze-layers", "--amp", "off"), CPU)
-    training = build_training(placed, args_for("--freeze-layers", "--amp", "off", "--epochs", "1"),
-                              DistContext.single(), batches_per_epoch=2)
+    args = args_for("--freeze-layers", "--amp", "off", "--epochs", "1")
+    place_model(model, args, CPU)
+    optimizer, scaler, _ = build_optimizer(model, args, CPU)
     assert [n for n, p in model.named_parameters() if p.requires_grad] == ["fc.weight", "fc.bias"]
     stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
     frozen = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("fc.")}
     head = model.fc.weight.detach().clone()
-    train_one_epoch(training, [sample_batch(8)] * 2, DistContext.single(), epoch=1, epochs=1)
+    train_one_epoch(model, torch.nn.CrossEntropyLoss(), optimizer, scaler, [sample_batch(8)] * 2, 1, Progress(), args,
+                    DistContext.single())
     bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert bns and not any(m.training for m in bns) and model.fc.training
     for key, value in model.state_dict().items():
@@ -81,13 +83,15 @@ def test_amp_choices_train_in_that_precision(choice, expected):
     assert autocast_dtype(choice, CPU) == expected
     args = args_for("--amp", choice, "--epochs", "1")
     torch.manual_seed(0)
-    placed = place_model(create_model(5), args, CPU)
-    training = build_training(placed, args, DistContext.single(), batches_per_epoch=1)
-    assert placed.amp_dtype == expected and training.scaler.is_enabled() == (choice == "fp16")
+    model = create_model(5)
+    placed = place_model(model, args, CPU)
+    optimizer, scaler, _ = build_optimizer(model, args, CPU)
+    assert placed.amp_dtype == expected and scaler.is_enabled() == (choice == "fp16")
     conv_dtypes = []
-    first_conv = next(m for m in placed.module.modules() if isinstance(m, torch.nn.Conv2d))
+    first_conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
     first_conv.register_forward_hook(lambda _module, _input, output: conv_dtypes.append(output.dtype))
-    result = train_one_epoch(training, [sample_batch(4)], DistContext.single(), epoch=1, epochs=1)
+    result = train_one_epoch(model, torch.nn.CrossEntropyLoss(), optimizer, scaler, [sample_batch(4)], 1, Progress(),
+                             args, DistContext.single())
     assert torch.isfinite(torch.tensor(result["train_loss"]))
     assert conv_dtypes == [expected or torch.float32]
 
@@ -132,11 +136,13 @@ def test_it_learns():
     loss, the optimizer and the schedule are wired together as they should be."""
     args = args_for("--epochs", "1", "--lr", "0.1", "--warmup-epochs", "0", "--lrf", "1", "--amp", "off")
     torch.manual_seed(0)
-    placed = place_model(create_model(5), args, CPU)
-    training = build_training(placed, args, DistContext.single(), batches_per_epoch=1)
+    model = create_model(5)
+    place_model(model, args, CPU)
+    optimizer, scaler, _ = build_optimizer(model, args, CPU)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     batch = sample_batch(8)
-    losses = [train_one_epoch(training, [batch], DistContext.single(), epoch=1, epochs=1)["train_loss"]
-              for _ in range(10)]
+    losses = [train_one_epoch(model, criterion, optimizer, scaler, [batch], 1, Progress(), args,
+                              DistContext.single())["train_loss"] for _ in range(10)]
     assert losses[-1] < 0.5 * losses[0], losses
 
 

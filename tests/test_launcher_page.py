@@ -1,0 +1,95 @@
+"""What a reader of a launcher meets, counted from the code (ast): the project's own names it
+imports and uses, the methods it calls on objects that project code returns, its length, and
+torch's own calls for the steps of data-parallel training, written in the launcher itself."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from test_layout import project_modules
+
+# The most a launcher asks a reader to learn beyond torch: project names, methods of project
+# objects, lines. The spawn launcher adds what starting processes takes (the store it hosts,
+# SIGTERM passed on, the processes joined, each worker's rendezvous): four names more.
+LIMITS = {"train_multi_gpu_using_launch.py": (15, 8, 250), "train_single_gpu.py": (15, 8, 250),
+          "train_multi_gpu_using_spawn.py": (19, 8, 250)}
+
+
+def project_names(path: Path) -> list[str]:
+    """The names a launcher imports from the project's modules and uses."""
+    tree = ast.parse(path.read_text())
+    modules = {m.split(".")[0] for m in project_modules()}
+    imported = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                and (node.module or "").split(".")[0] in modules for alias in node.names}
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    return sorted(imported & used)
+
+
+def project_methods(path: Path) -> list[str]:
+    """The methods a launcher calls on objects that project code returned: on what a call of a
+    project name gave (assigned, unpacked, or bound by a `with`), and on its own functions'
+    parameters (the plan, the process's context)."""
+    tree = ast.parse(path.read_text())
+    names = set(project_names(path))
+    functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    objects = {a.arg for f in functions for a in f.args.args}
+
+    def from_project(value: ast.AST | None) -> bool:
+        """A call of a project name (or of a method of a project object), possibly in an `x if c else y`."""
+        return any(isinstance(call, ast.Call) and any(isinstance(n, ast.Name) and n.id in names | objects
+                                                      for n in ast.walk(call.func)) for call in ast.walk(value))
+
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign) and from_project(node.value):
+            targets = node.targets
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None and from_project(node.context_expr):
+            targets = [node.optional_vars]
+        for target in targets:
+            objects |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return sorted({node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
+                   and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                   and node.func.value.id in objects})
+
+
+@pytest.mark.parametrize("launcher", sorted(LIMITS))
+def test_a_launcher_asks_little_beyond_torch(launcher):
+    names, methods, lines = LIMITS[launcher]
+    path = REPO / launcher
+    assert len(project_names(path)) <= names, project_names(path)
+    assert len(project_methods(path)) <= methods, project_methods(path)
+    assert len(path.read_text().splitlines()) <= lines
+
+
+@pytest.mark.parametrize("launcher", ["train_multi_gpu_using_launch.py", "train_multi_gpu_using_spawn.py"])
+def test_torchs_calls_are_written_in_the_launcher(launcher):
+    """The steps of data-parallel training in torch's own words, on the launcher's page: the
+    sampler, its set_epoch, SyncBatchNorm's conversion, the wrap, the teardown; and the process
+    group joined one call away (init_distributed, in distributed_utils.py)."""
+    source = (REPO / launcher).read_text()
+    for call in ("DistributedSampler(", "train_sampler.set_epoch(epoch)", "nn.SyncBatchNorm.convert_sync_batchnorm(model)",
+                 "DDP(model", "dist.destroy_process_group()", "init_distributed("):
+        assert call in source, call
+    utils = (REPO / "multi_train_utils" / "distributed_utils.py").read_text()
+    init = next(n for n in ast.parse(utils).body if isinstance(n, ast.FunctionDef) and n.name == "init_distributed")
+    assert "dist.init_process_group(" in ast.get_source_segment(utils, init)
+
+
+def test_backward_and_the_optimizer_step_are_written_in_train_one_epoch():
+    source = (REPO / "multi_train_utils" / "train_eval_utils.py").read_text()
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "train_one_epoch")
+    body = ast.get_source_segment(source, node)
+    assert ".backward()" in body and "scaler.step(optimizer)" in body and "all_reduce_sum(" in body
+
+
+def test_the_counts_see_what_they_count(tmp_path):
+    """A launcher that imports one project name more, and calls a method more on a project object."""
+    source = (REPO / "train_multi_gpu_using_launch.py").read_text()
+    grown = tmp_path / "grown.py"
+    grown.write_text(source.replace("from utils import exit_on_error", "from utils import exit_on_error, read_json")
+                     .replace("    began = time.perf_counter()\n", "    began = time.perf_counter()\n    read_json(plan.extra())\n"))
+    assert set(project_names(grown)) - set(project_names(REPO / "train_multi_gpu_using_launch.py")) == {"read_json"}
+    assert set(project_methods(grown)) - set(project_methods(REPO / "train_multi_gpu_using_launch.py")) == {"extra"}
