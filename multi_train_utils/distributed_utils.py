@@ -11,6 +11,8 @@ import ctypes
 import dataclasses
 import datetime
 import inspect
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
 import secrets
@@ -209,6 +211,23 @@ def stop(processes: list, grace_seconds: float = STOP_GRACE_SECONDS) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+def start_method(ctx: DistContext) -> multiprocessing.context.BaseContext:
+    """How this process starts its helpers (loader workers, plotters). Forking shares the
+    parent's memory and imports; but in a process group gloo's (or NCCL's) threads, and on CUDA
+    autograd's, create Python thread states now and then, to drop a tensor's Python object, and
+    a fork that catches one of them holding CPython's runtime lock leaves a child that waits for
+    it forever, before it runs a line: CPython before 3.11.10 (and 3.12.0), python/cpython#112275.
+    Its training process then waits for batches that never come. There the helpers are forked
+    from a fork server instead, a process without threads that imports torch once."""
+    fixed = sys.version_info >= (3, 12, 1) or (3, 11, 10) <= sys.version_info < (3, 12)
+    if fixed or not (ctx.distributed or ctx.device.type == "cuda"):
+        return multiprocessing.get_context("fork")
+    server = multiprocessing.get_context("forkserver")
+    server.set_forkserver_preload(["torch", "torchvision", "my_dataset", "multi_train_utils.loaders", "plots"])
+    multiprocessing.forkserver.ensure_running()  # now: it imports those while this process goes on
+    return server
 
 
 def die_with_parent() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from multiprocessing import reduction
 import secrets
 import shutil
 import sys
@@ -38,7 +39,9 @@ class SharedImageCache:
     Local rank 0 creates the file in /dev/shm, every process on the machine maps it, and the
     name is removed before the (slow) decoding starts: the memory lives exactly as long as the
     processes mapping it, so a crash leaves nothing behind. Data-loader workers inherit the
-    mapping when they fork, so there is one copy per machine, not one per rank or per worker.
+    mapping when they fork, or map the file again through its descriptor when a fork server
+    starts them (distributed_utils.start_method), so there is one copy per machine, not one per
+    rank or per worker.
     """
 
     def __init__(self, paths: Sequence[str], short_side: int, ctx: DistContext):
@@ -60,7 +63,7 @@ class SharedImageCache:
         if not creator:
             fd = os.open(path, os.O_RDWR)
         self._map = mmap.mmap(fd, max(1, self.nbytes))
-        os.close(fd)
+        self._fd = fd  # kept open: a loader worker started by a fork server maps the memory through it
         barrier(ctx)
         if creator:
             os.unlink(path)
@@ -69,6 +72,18 @@ class SharedImageCache:
         with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:  # PIL releases the GIL
             list(pool.map(lambda i: self._fill(i, paths[i], short_side), mine))
         barrier(ctx)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a loader worker started by a fork server receives: the file, not the pixels."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_map", "pixels")}
+        state["_fd"] = reduction.DupFd(self._fd)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fd = state["_fd"].detach()
+        self._map = mmap.mmap(self._fd, max(1, self.nbytes))
+        self.pixels = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes)
 
     def _fill(self, i: int, path: str, short_side: int) -> None:
         h, w = self.shapes[i]

@@ -16,7 +16,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 from multi_train_utils.checkpoint import check_classes
 from multi_train_utils.config import Plan
 from multi_train_utils.device_augment import DeviceAugmentedLoader, device_crops
-from multi_train_utils.distributed_utils import DistContext, ShardSampler, broadcast_object, die_with_parent, gather_objects
+from multi_train_utils.distributed_utils import (
+    DistContext,
+    ShardSampler,
+    broadcast_object,
+    die_with_parent,
+    gather_objects,
+    start_method,
+)
 from multi_train_utils.image_cache import shared_cache
 from multi_train_utils.recalibrate import BatchNormRecalibration, recalibration
 from my_dataset import (
@@ -78,8 +85,9 @@ class RunData:
             pin_memory=ctx.device.type == "cuda",
             # A process started by mp.spawn would also spawn its loader workers, each re-importing
             # torch (seconds) and receiving a pickled copy of the dataset; forking, Linux's default
-            # everywhere else, shares the parent's memory, the --cache pixels included.
-            multiprocessing_context="fork" if workers > 0 and sys.platform == "linux" else None,
+            # everywhere else, shares the parent's memory, the --cache pixels included, except
+            # where a fork could hang (start_method).
+            multiprocessing_context=start_method(ctx) if workers > 0 and sys.platform == "linux" else None,
         )
         keys = EpochKeys(train_sampler)
         # A last batch of one image breaks BatchNorm in training mode; drop the remainder instead

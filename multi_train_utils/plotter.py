@@ -39,10 +39,11 @@ DRAWN = ("the class balance, the augmented samples and the training curves",
 class Plotter:
     """Rank 0's plotting processes for the run folder `run_dir`, used as a context manager."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, context: multiprocessing.context.BaseContext | None = None):
         # Forked, not spawned: a child has the parent's imports already (a spawned one would
-        # import torch again, seconds of a core). Made before the run starts any thread of its own.
-        context = multiprocessing.get_context("fork")
+        # import torch again, seconds of a core); in a process group, from a fork server
+        # (distributed_utils.start_method). Made before the run starts any thread of its own.
+        context = context or multiprocessing.get_context("fork")
         self.run_dir = run_dir
         self._children = []
         self._lost: set[int] = set()  # the children that died, by index

@@ -23,7 +23,7 @@ from torch.utils.tensorboard import SummaryWriter
 from multi_train_utils.checkpoint import check_architecture, copy_atomic, load_checkpoint, make_checkpoint, save_atomic, snapshot
 from multi_train_utils.progress import Progress
 from multi_train_utils.config import Plan
-from multi_train_utils.distributed_utils import DistContext, broadcast_object
+from multi_train_utils.distributed_utils import DistContext, broadcast_object, start_method
 from multi_train_utils.ema import WeightAverage
 from multi_train_utils.plotter import Plotter
 from multi_train_utils.schedule import global_batch, peak_lr
@@ -114,7 +114,7 @@ class RunFiles:
         save_split(split, output_dir / SPLIT_FILE, data_root)
         restore_metrics(output_dir / METRICS_FILE, progress.epoch)
         # Forked before this object starts threads of its own: a child has the parent's imports.
-        self.plotter = Plotter(output_dir) if plan.args.plots else None
+        self.plotter = Plotter(output_dir, start_method(ctx)) if plan.args.plots else None
         if self.plotter:
             self.plotter.draw_data()
         self.tensorboard = SummaryWriter(log_dir=str(output_dir))

@@ -8,8 +8,8 @@ import signal
 import sys
 
 import pytest
-from conftest import (FAST, SAMPLE, SMALL_MODEL, child_pids, kill_group, launcher_cmd, metrics, start, start_job,
-                      wait_for_epochs, wait_until_gone)
+from conftest import (FAST, SAMPLE, SMALL_MODEL, child_pids, kill_group, launcher_cmd, metrics, processes_with_marker,
+                      start, start_job, wait_for_epochs, wait_until_gone)
 
 from multi_train_utils.rendezvous import find_free_port
 
@@ -17,7 +17,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 pytestmark = pytest.mark.slow
 
 
-def finish(procs, timeout: float = 240) -> list:
+def finish(procs, timeout: float = 240, marker: str | None = None) -> list:
     results = []
     try:
         for proc in procs:
@@ -26,21 +26,11 @@ def finish(procs, timeout: float = 240) -> list:
     finally:
         for proc in procs:
             kill_group(proc)
+        for pid in processes_with_marker(marker) if marker else ():  # torchrun's workers have sessions of their own
+            os.kill(pid, signal.SIGKILL)
     for code, out, err in results:
         assert code == 0, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
     return results
-
-
-def test_two_nodes_joined_by_c10d_rendezvous(tmp_path):
-    """Two torchrun agents, as on two machines, each with one process: one job of world size 2."""
-    endpoint = f"127.0.0.1:{find_free_port()}"
-    node = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-                       "--rdzv-id=flowers-test", "train_multi_gpu_using_launch.py",
-                       "--data-path", str(SAMPLE), "--output-dir", str(tmp_path), *FAST, *SMALL_MODEL, "--epochs", "1"]
-    results = finish([start(node), start(node)])
-    records = metrics(tmp_path)
-    assert [r["world_size"] for r in records] == [2] and records[0]["val_total"] == 25
-    assert sum(out.count("epoch 1/1: train loss") for _, out, _ in results) == 1  # rank 0 alone prints
 
 
 def test_slurm_environment(tmp_path):
@@ -98,26 +88,36 @@ def agent(out, run_id: str, endpoint: str, nnodes: str, *extra: str) -> list[str
     """One torchrun agent, as on a machine of its own, with one worker: an elastic job that
     goes on from last.pth after a restart."""
     return TORCHRUN + [f"--nnodes={nnodes}", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-                       f"--rdzv-id={run_id}", "--max-restarts=1", "--monitor-interval=0.5",
+                       f"--rdzv-id={run_id}", "--rdzv-conf=last_call_timeout=1", "--max-restarts=1",
+                       "--monitor-interval=0.5",
                        "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE), "--output-dir", str(out), *FAST,
                        *SMALL_MODEL, "--resume", "auto", *extra]
 
 
+# Two "machines" on one machine: a process each.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
 def test_two_agents_restart_after_a_worker_on_one_of_them_dies(tmp_path):
-    """Two torchrun agents on loopback (two "nodes", c10d rendezvous, --max-restarts=1); the
-    worker under the second is killed after epoch 1. Both agents restart their workers, which
-    meet as a new attempt (torch's store, none of the old attempt's keys), go on from last.pth,
-    finish, and log each epoch once; no rank names a false cause."""
+    """Two torchrun agents on loopback (two "nodes", c10d rendezvous, --max-restarts=1) make one
+    job of world size 2, whose rank 0 alone prints; the worker under the second agent is killed
+    after epoch 1. Both agents restart their workers, which meet as a new attempt (torch's store,
+    none of the old attempt's keys), go on from last.pth, finish, and log each epoch once; no
+    rank names a false cause."""
     endpoint = f"127.0.0.1:{find_free_port()}"
     marker = "two-agents-" + tmp_path.name
-    first = start(agent(tmp_path, marker, endpoint, "2", "--epochs", "3"), env={"TEST_JOB_MARKER": marker})
-    second = start(agent(tmp_path, marker, endpoint, "2", "--epochs", "3"), env={"TEST_JOB_MARKER": marker})
+    env = {**ONE_THREAD, "TEST_JOB_MARKER": marker}
+    first = start(agent(tmp_path, marker, endpoint, "2", "--epochs", "3"), env=env)
+    second = start(agent(tmp_path, marker, endpoint, "2", "--epochs", "3"), env=env)
     wait_for_epochs(first, tmp_path, 1)
     worker = child_pids(second.pid)
     assert len(worker) == 1, worker
     os.kill(worker[0], signal.SIGKILL)
-    results = finish([first, second])
-    assert [r["epoch"] for r in metrics(tmp_path)] == [1, 2, 3]
+    results = finish([first, second], marker=marker)
+    records = metrics(tmp_path)
+    assert [(r["epoch"], r["world_size"]) for r in records] == [(1, 2), (2, 2), (3, 2)]
+    assert records[0]["val_total"] == 25
+    assert sum(out.count("epoch 3/3: train loss") for _, out, _ in results) == 1  # rank 0 alone prints
     assert sum(out.count("resumed from") for _, out, _ in results) == 1  # rank 0 of the new attempt
     for _, out, err in results:
         assert "disagree" not in err and "claim rank" not in err, err[-3000:]
@@ -127,13 +127,15 @@ def test_a_second_agent_joining_restarts_the_job_with_both(tmp_path):
     """torchrun --nnodes=1:2: the job starts on one agent, and a second joins after epoch 1.
     The first agent stops its worker (SIGTERM: it saves where it is), both restart as a job of
     two without raising torchrun's restart count, and the run goes on from last.pth at the new
-    world size and finishes, each epoch logged once."""
+    world size and finishes, each epoch logged once. (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
+    without it, torch's agents wait on each other after a node joins; docs/multi-node.md.)"""
     endpoint = f"127.0.0.1:{find_free_port()}"
     marker = "joining-" + tmp_path.name
-    first = start(agent(tmp_path, marker, endpoint, "1:2", "--epochs", "4"), env={"TEST_JOB_MARKER": marker})
+    env = {**ONE_THREAD, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TEST_JOB_MARKER": marker}
+    first = start(agent(tmp_path, marker, endpoint, "1:2", "--epochs", "4"), env=env)
     wait_for_epochs(first, tmp_path, 1)
-    second = start(agent(tmp_path, marker, endpoint, "1:2", "--epochs", "4"), env={"TEST_JOB_MARKER": marker})
-    results = finish([first, second])
+    second = start(agent(tmp_path, marker, endpoint, "1:2", "--epochs", "4"), env=env)
+    results = finish([first, second], marker=marker)
     records = metrics(tmp_path)
     assert [r["epoch"] for r in records] == [1, 2, 3, 4]
     assert records[0]["world_size"] == 1 and records[-1]["world_size"] == 2
