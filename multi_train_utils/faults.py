@@ -9,8 +9,9 @@ job's store who it is (machine and process id) and, from a thread of its own, th
 there (a count it raises every second). A rank that meets a broken collective looks: a process
 on its own machine has ended when its process id is gone; one on another machine, when its
 count has stopped. The first rank to know writes the answer in the store, and every other rank,
-still waiting inside a collective that will never finish, reads it there within a second and
-ends with the same paragraph.
+still waiting inside a collective that will never finish, reads it there within a second (or
+sees for itself a process of its own machine gone: on NCCL, where a lost peer raises nothing
+this process could catch, that is the only sign) and ends with the same paragraph.
 """
 from __future__ import annotations
 

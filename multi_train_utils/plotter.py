@@ -116,9 +116,12 @@ def draw_on_order(orders: Any, run_dir: Path, drawings: dict[str, tuple[Callable
     figure_class()  # import matplotlib now, while the run starts up
     # The loader workers forked after this process hold the pipe's sending end too: the run says
     # when it is done (None) rather than closing it.
-    for order in iter(orders.recv, None):
-        for save in drawings.get(order, ()):
-            save(run_dir)
+    try:
+        for order in iter(orders.recv, None):
+            for save in drawings.get(order, ()):
+                save(run_dir)
+    except EOFError:  # the run was killed: its own end is what the user reads about
+        pass
 
 
 def run_only_when_idle() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import pytest
 import torch
 from conftest import REPO
 
-from multi_train_utils.checkpoint import load_checkpoint
+from multi_train_utils import run_folder
+from multi_train_utils.checkpoint import copy_atomic, load_checkpoint
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.progress import Progress
@@ -113,3 +115,38 @@ def test_a_kill_at_any_moment_of_a_write_leaves_whole_files(tmp_path):
         assert epochs == list(range(1, len(epochs) + 1)) and len(epochs) in (last["epoch"] - 1, last["epoch"])
         # Temporary files of the write that was cut off: prepare_output_dir's pattern removes them.
         assert all(p.match(".*.pth*.tmp") for p in out.glob(".*"))
+
+
+def test_a_full_disk_at_sigterms_save_is_named_too(tmp_path, monkeypatch):
+    """torch.save reports a full disk as a RuntimeError from its zip writer, not an OSError:
+    the stopped run's save says what failed and the room left, as an epoch's does."""
+    files, progress = run_files(tmp_path, torch.nn.Linear(3, 1))
+
+    def full(*_):
+        raise RuntimeError("[enforce fail at inline_container.cc:644] . unexpected pos 1984 vs 1872")
+
+    monkeypatch.setattr(run_folder, "save_atomic", full)
+    with pytest.raises(CheckpointWriteFailed, match="could not write epoch 1's checkpoint .* GiB free there"):
+        files.save_position(progress)
+    files.__exit__(None, None, None)
+
+
+def test_best_pth_copied_where_links_fail_is_on_disk_before_the_rename(tmp_path, monkeypatch):
+    """On a file system without hard links best.pth is a copy: its bytes are synced before the
+    rename makes them best.pth, as last.pth's are."""
+    (tmp_path / "last.pth").write_bytes(b"checkpoint bytes")
+    synced = []
+    real_fsync = os.fsync
+
+    def no_links(*_):
+        raise OSError("no hard links here")
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "link", no_links)
+    monkeypatch.setattr(os, "fsync", fsync)
+    copy_atomic(tmp_path / "last.pth", tmp_path / "best.pth")
+    assert (tmp_path / "best.pth").read_bytes() == b"checkpoint bytes"
+    assert str(tmp_path / ".best.pth.tmp") in synced

@@ -18,7 +18,8 @@ import pytest
 from conftest import FAST, SAMPLE, SMALL_MODEL, child_pids, kill_group, launcher_cmd, run_cli, start
 
 from multi_train_utils.plotter import Plotter
-from multi_train_utils.rendezvous import find_free_port, not_local_problem
+from multi_train_utils import check
+from multi_train_utils.rendezvous import Rendezvous, find_free_port, meeting_store, not_local_problem, store_host
 
 TRAIN = ["--data-path", str(SAMPLE), *FAST, "--epochs", "1"]
 
@@ -229,3 +230,52 @@ def test_a_dead_plotter_costs_its_pictures_not_the_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "warning: a plotting process was killed by signal 9" in err
     assert "the training curves may be missing" in err and f"python plots.py {tmp_path}" in err
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses something listens on at `port`, from /proc/net/tcp and tcp6."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, port_hex = local.split(":")
+                if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                    found.add(address)
+    return found
+
+
+def test_rank_0s_store_listens_on_its_address_alone_and_a_nat_address_is_a_warning(monkeypatch, capsys):
+    """A job of one process started as srun starts one: with MASTER_ADDR on loopback, rank 0's
+    store listens there only (127.0.0.1 in /proc/net/tcp, not every interface); with an
+    address of no interface of this machine (a Kubernetes Service's, reached through NAT), it
+    warns and listens on every interface instead of refusing."""
+    for address, expected in (("127.0.0.1", {"0100007F"}), ("192.0.2.1", None)):
+        port = find_free_port()
+        monkeypatch.setenv("MASTER_ADDR", address)
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        _, store = meeting_store(Rendezvous(0, 0, 1, 1), 10, 5)
+        listening = listening_addresses(port)
+        del store
+        if expected:
+            assert listening == expected, listening
+        else:
+            assert listening and "0100007F" not in listening, listening  # 0.0.0.0 or ::
+            err = capsys.readouterr().err
+            assert "warning: MASTER_ADDR 192.0.2.1 is not an address of this machine" in err
+            assert "through NAT" in err
+
+
+def test_messages_name_the_process_that_hosts_the_store():
+    assert store_host(Rendezvous(1, 1, 2, 2, ("127.0.0.1", 29500))) == "the spawn launcher"
+    assert store_host(Rendezvous(1, 1, 2, 2)) == "rank 0"
+
+
+def test_checks_nccl_log_is_private_and_removed():
+    """--check's NCCL log: a new file of its own in the temporary folder (not a name another
+    user could have prepared), removed however the check ends."""
+    first, second = check.nccl_log_file("nccl"), check.nccl_log_file("nccl")
+    assert first != second and os.path.exists(first) and (os.stat(first).st_mode & 0o777) == 0o600
+    check.remove_left_behind()
+    assert not os.path.exists(first) and not os.path.exists(second)
+    assert check.nccl_log_file("gloo") is None
