@@ -266,3 +266,15 @@ def read_preprocessing(model_path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise UserError(f"{str(model_path)!r} needs its description {str(path)!r}, written by export.py beside it: "
                         f"{type(e).__name__}: {e}") from None
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside DistributedDataParallel's and torch.compile's wrappers (`_orig_mod`: the
+    compiled module's own name for it; looked up, so that torch's compiler is not imported)."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model

@@ -14,6 +14,7 @@ import torch
 
 from multi_train_utils.budget import BUDGET_MOST_EPOCHS, DEFAULT_EPOCHS, budget_seconds
 from multi_train_utils.checkpoint import load_checkpoint, read_state_dict
+from multi_train_utils.cuda_graph import blockers
 from multi_train_utils.distributed_utils import parse_device, resolve_device
 from multi_train_utils.rendezvous import Rendezvous, env_ranks, parse_dist_url
 from model import DEFAULT_MODEL, check_model_name
@@ -152,6 +153,9 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     speed.add_argument("--channels-last", action=BoolFlag, default=True,
                        help="NHWC memory layout, which the convolution kernels of GPUs and CPUs prefer")
     speed.add_argument("--compile", action=BoolFlag, help="torch.compile the model (pays off only on long runs)")
+    speed.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"],
+                       help="replay the training step as one CUDA graph, captured after a few eager steps: small "
+                            "batches at the GPU's speed; auto: on a GPU, unless --accum-steps or --compile")
     speed.add_argument("--device-augment", action=BoolFlag,
                        help="decode the training images once into the device's memory (img/0.875 px squares) and "
                             "crop, resize and flip each batch there in one call, so the loader workers only draw "
@@ -279,7 +283,11 @@ def check_options(args: argparse.Namespace) -> None:
         raise UserError("--num-classes must be at least 2")
     if args.eval_only and not (args.resume or args.weights):
         raise UserError("--eval-only needs --resume PATH or --weights PATH to evaluate")
-    parse_device(args.device)  # a malformed --device fails here, before any process starts
+    device = parse_device(args.device)  # a malformed --device fails here, before any process starts
+    if args.cuda_graph == "on" and device.type != "cuda":
+        raise UserError(f"--cuda-graph on needs a GPU, not {device}: CUDA graphs are NVIDIA's")
+    if args.cuda_graph == "on" and blockers(args):
+        raise UserError(f"--cuda-graph on cannot run with {'; '.join(blockers(args))}")
     parse_dist_url(getattr(args, "dist_url", "env://"))
     if (args.drop_missing or args.data_moved) and not args.resume:
         raise UserError("--drop-missing and --data-moved are about a resumed run's files: they need --resume")

@@ -12,6 +12,7 @@ from torchvision.transforms.v2.functional import resize
 
 from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, raise_together
 from multi_train_utils import image_cache
+from multi_train_utils.gpu_decode import decode_on_gpu
 from multi_train_utils.image_cache import picture_shape
 from my_dataset import DeviceCrops, EpochKeys, PixelCache, SizeSchedule, decode
 from utils import DataSplit
@@ -40,31 +41,40 @@ class DeviceAugmentedLoader:
 
 def device_crops(split: DataSplit, side: int, ctx: DistContext, cache: PixelCache | None) -> DeviceCrops:
     """The training images as DeviceCrops: each `side` px square, on this process's device.
-    Each process decodes 1/world_size of them (and reads their frames), the others' places left
+    Each process decodes 1/world_size of them (and reads their frames), on the GPU where
+    nvJPEG reads the file (gpu_decode), else on the CPU's threads; the others' places are left
     at zero, and a sum over the processes fills in the rest: every process ends with the same
     pixels, each decoded once."""
     started = time.perf_counter()
     paths = [p for p, _ in split.train]
     nbytes = len(paths) * 3 * side * side
     check_device_room(nbytes, ctx)
-    pixels = torch.zeros(len(paths), 3, side, side, dtype=torch.uint8)
+    pixels = torch.zeros(len(paths), 3, side, side, dtype=torch.uint8, device=ctx.device)
     frames = torch.zeros(len(paths), 2, dtype=torch.int64)
+    mine = range(ctx.rank, len(paths), ctx.world_size)
+    threads = torch.get_num_threads()
+    on_gpu = [None] * len(mine)
+    if ctx.device.type == "cuda" and cache is None:
+        on_gpu = decode_on_gpu([paths[i] for i in mine], ctx.device, threads)
 
-    def fill(i: int) -> None:
-        try:
-            picture = cache.get(paths[i]) if cache is not None else decode(paths[i], side)
-        except Exception as e:  # unreadable files were left out at start-up; this one changed since
-            raise RuntimeError(f"cannot decode {paths[i]}: {e}") from e
+    def fill(i: int, picture: torch.Tensor | None) -> None:
+        if picture is None:
+            try:
+                picture = cache.get(paths[i]) if cache is not None else decode(paths[i], side)
+            except Exception as e:  # unreadable files were left out at start-up; this one changed since
+                raise RuntimeError(f"cannot decode {paths[i]}: {e}") from e
         pixels[i] = resize(picture, [side, side], antialias=True)
         frames[i] = torch.tensor(picture_shape(paths[i], side))  # the frame --cache's pixels have
 
-    with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:  # decoding releases the GIL
-        list(pool.map(fill, range(ctx.rank, len(paths), ctx.world_size)))
+    with ThreadPoolExecutor(max_workers=threads) as pool:  # decoding releases the GIL
+        list(pool.map(fill, mine, on_gpu))
     # One process filled each image's place, the others left it 0: the sums are the images.
-    pixels = all_reduce_sum(pixels.to(ctx.device), ctx)
+    pixels = all_reduce_sum(pixels, ctx)
     frames = all_reduce_sum(frames.to(ctx.device), ctx)
+    by_gpu = sum(p is not None for p in on_gpu)
+    decoded = f", {by_gpu} of this process's {len(mine)} by nvJPEG" if ctx.device.type == "cuda" else ""
     ctx.print0(f"device augment: {len(paths)} training images, {nbytes / 2**20:.0f} MiB on {ctx.device} per "
-               f"process, decoded in {time.perf_counter() - started:.1f}s")
+               f"process, decoded in {time.perf_counter() - started:.1f}s{decoded}")
     return DeviceCrops(pixels, frames)
 
 

@@ -24,6 +24,7 @@ from multi_train_utils.distributed_utils import (
     gather_objects,
     start_method,
 )
+from multi_train_utils.gpu_decode import DeviceBatches, validation_on_device
 from multi_train_utils.image_cache import shared_cache
 from multi_train_utils.recalibrate import BatchNormRecalibration, recalibration
 from my_dataset import (
@@ -70,7 +71,7 @@ class RunData:
         return self.split.class_names
 
     def loaders(self, train_sampler: DistributedSampler, args: argparse.Namespace,
-                ctx: DistContext) -> tuple[DataLoader | DeviceAugmentedLoader, DataLoader]:
+                ctx: DistContext) -> tuple[DataLoader | DeviceAugmentedLoader, DataLoader | DeviceBatches]:
         """The training loader, drawing from `train_sampler` (a DistributedSampler: each rank its own
         1/world_size of the training images, reshuffled every epoch by its set_epoch), each index
         with its epoch (EpochKeys); under --device-augment, a DeviceAugmentedLoader. And the
@@ -95,6 +96,9 @@ class RunData:
         train_loader = DataLoader(self.train_set, sampler=keys, drop_last=len(keys) > args.batch_size, **common)
         val_loader = DataLoader(self.val_set, sampler=ShardSampler(len(self.val_set), ctx), **common)
         if self.crops is not None:
+            if ctx.device.type == "cuda":  # the validation images decoded once, by nvJPEG, and kept on the GPU
+                val_loader = validation_on_device(self.val_set, val_loader.sampler, args.batch_size, ctx,
+                                                  max(1, cpu_count() // ctx.local_world_size))
             return DeviceAugmentedLoader(train_loader, self.crops, size_schedule(vars(args))), val_loader
         return train_loader, val_loader
 

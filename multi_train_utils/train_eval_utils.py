@@ -15,9 +15,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from model import freeze_backbone, model_for, set_train_mode
+from model import freeze_backbone, model_for, set_train_mode, unwrapped
 from multi_train_utils.budget import most_epochs
 from multi_train_utils.checkpoint import load_weights
+from multi_train_utils.cuda_graph import graphed_step, use_side_stream, wanted
 from multi_train_utils.progress import Progress
 from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum, broadcast_buffers
 from multi_train_utils.ema import WeightAverage
@@ -99,7 +100,8 @@ def build_model(args: argparse.Namespace, num_classes: int, ctx: DistContext) ->
         freeze_backbone(model)
     placed = place_model(model, args, ctx.device)
     precision = "fp32" if placed.amp_dtype is None else str(placed.amp_dtype).removeprefix("torch.") + " autocast"
-    ctx.print0(f"precision: {precision}, memory format: {'channels_last' if args.channels_last else 'NCHW'}")
+    graph = ", training step: a CUDA graph" if wanted(args, ctx.device) else ""
+    ctx.print0(f"precision: {precision}, memory format: {'channels_last' if args.channels_last else 'NCHW'}{graph}")
     return model
 
 
@@ -109,6 +111,8 @@ def place_model(model: nn.Module, args: argparse.Namespace, device: torch.device
     model.to(device, memory_format=memory_format)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input sizes: autotuned kernels pay off from step 2
+    if wanted(args, device):
+        use_side_stream(device)  # before the DDP wrap: the graph of the step is captured on it
     return placed(model, args, device)
 
 
@@ -135,6 +139,12 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace, device: torch.de
     # train_one_epoch sets the learning rate at every step. The fused kernel updates all
     # parameters in one pass; it exists for CPU and CUDA tensors.
     optimizer = torch.optim.SGD(groups, lr=0.0, momentum=args.momentum, nesterov=args.momentum > 0, fused=True)
+    if args.momentum > 0:
+        # Zero momentum to start from (then the first step's buffer is its gradient, as SGD's own
+        # first step makes it): fused SGD makes the buffers with empty_like at its first step and
+        # skips that step whole when fp16 gradients overflowed, leaving them uninitialised.
+        for param in decay + no_decay:
+            optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
     # Loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's range.
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype(args.amp, device) == torch.float16)
     return optimizer, scaler, WeightAverage(model, args.ema_decay) if args.ema else None
@@ -142,7 +152,10 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace, device: torch.de
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor) and group["lr"].is_cuda:
+            group["lr"].fill_(lr)  # --cuda-graph: the graph reads it there
+        else:
+            group["lr"] = lr
 
 
 def never() -> bool:
@@ -170,6 +183,7 @@ def train_one_epoch(model: nn.Module, criterion: nn.Module, optimizer: torch.opt
     schedule = build_schedule(args, peak_lr(args, ctx), steps_per_epoch, progress.budget_epochs)
     feed = placed(unwrapped(model), args, ctx.device)
     mix = build_mix(args, unwrapped(model))  # --mixup-alpha, --cutmix-alpha: else None
+    graph = graphed_step(optimizer, model, args, ctx.device)  # --cuda-graph: else None
     set_train_mode(model)
     tally = EpochTally(ctx, progress.epoch_sums)
     # Bars on rank 0 only, and only on a terminal (disable=None): logs stay free of them.
@@ -182,22 +196,27 @@ def train_one_epoch(model: nn.Module, criterion: nn.Module, optimizer: torch.opt
         images, labels = feed.input(images), labels.to(ctx.device, non_blocking=True)
         set_lr(optimizer, schedule(step))
         inputs, targets = mix(images, labels, steps_before * args.accum_steps + batch) if mix else (images, labels)
-        # DDP all-reduces the gradients during the backward pass of the batch that closes an
-        # optimizer step; the batches before it (--accum-steps) add theirs up locally (no_sync).
-        with contextlib.nullcontext() if at.closes or not ctx.distributed else model.no_sync():
-            with torch.autocast(ctx.device.type, dtype=feed.amp_dtype, enabled=feed.amp_dtype is not None):
-                logits = model(inputs)
-                loss = criterion(logits, targets)
-            scaler.scale(loss / at.batches_in_step).backward()  # the step takes the mean of its batches
-        if at.closes:
-            if args.clip_grad_norm is not None:
-                scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
-                nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
-            scaler.step(optimizer)  # optimizer.step(), unless fp16 gradients overflowed
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            if ema is not None:
-                ema.update(step + 1)
+        replayed = graph.replay(inputs, targets, model, criterion, optimizer, scaler, feed.amp_dtype,
+                                args.clip_grad_norm) if graph else None  # --cuda-graph: the step below, in one launch
+        if replayed:
+            loss, logits = replayed
+        else:
+            # DDP all-reduces the gradients during the backward pass of the batch that closes an
+            # optimizer step; the batches before it (--accum-steps) add theirs up locally (no_sync).
+            with contextlib.nullcontext() if at.closes or not ctx.distributed else model.no_sync():
+                with torch.autocast(ctx.device.type, dtype=feed.amp_dtype, enabled=feed.amp_dtype is not None):
+                    logits = model(inputs)
+                    loss = criterion(logits, targets)
+                scaler.scale(loss / at.batches_in_step).backward()  # the step takes the mean of its batches
+            if at.closes:
+                if args.clip_grad_norm is not None:
+                    scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
+                    nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+                scaler.step(optimizer)  # optimizer.step(), unless fp16 gradients overflowed
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+        if at.closes and ema is not None:
+            ema.update(step + 1)
         tally.add(loss.detach(), logits, labels, batch)
         if at.closes and at.look:
             stop, batch_seconds = tally.look(optimizer, epoch, batch, steps.batches, bar, stop_requested)
@@ -209,13 +228,6 @@ def train_one_epoch(model: nn.Module, criterion: nn.Module, optimizer: torch.opt
     totals = all_reduce_sum(tally.local_sums(), ctx)  # the epoch's one all-reduce
     return {**tally.metrics(totals), "seconds": clock() - started, "stopped_after": stopped,
             "lr": schedule(epoch * steps_per_epoch)}  # where the epoch left the schedule
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The model inside DistributedDataParallel and torch.compile's wrappers."""
-    while isinstance(model, (nn.parallel.DistributedDataParallel, torch._dynamo.eval_frame.OptimizedModule)):
-        model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model._orig_mod
-    return model
 
 
 @dataclasses.dataclass(frozen=True)

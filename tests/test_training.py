@@ -96,6 +96,34 @@ def test_amp_choices_train_in_that_precision(choice, expected):
     assert conv_dtypes == [expected or torch.float32]
 
 
+def test_an_overflowed_first_fp16_step_leaves_sgd_as_if_it_never_ran():
+    """fused SGD skips a step whose fp16 gradients overflowed but makes its momentum buffers
+    first, uninitialised; they must start as zeros, so that the first step that does run is
+    SGD's own first step (the buffer its gradient) and not one from whatever memory held."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    args = args_for("--amp", "off")
+    optimizer, _, _ = build_optimizer(model, args, CPU)
+    assert all(torch.equal(optimizer.state[p]["momentum_buffer"], torch.zeros_like(p)) for p in model.parameters())
+    reference = torch.nn.Linear(8, 3)
+    reference.load_state_dict(model.state_dict())
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=args.momentum, nesterov=True, foreach=False)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.1
+    inputs = torch.randn(4, 8) * 100
+    for net, opt in ((model, optimizer), (reference, plain)):
+        # A scale that overflows the first step; after it, one that does not.
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-110)
+        for _ in range(3):
+            scaler.scale(net(inputs).square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        assert scaler.get_scale() == 2.0**17  # one step skipped, two taken
+    for fused, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(fused, expected)
+
+
 def test_amp_auto_follows_the_hardware(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
