@@ -1,4 +1,4 @@
-"""`python -m benchmarks {throughput,data,accuracy,endtoend,profile,startup}`: the command line of the experiments."""
+"""`python -m benchmarks {throughput,data,accuracy,endtoend,profile,startup,decode}`: the command line of the experiments."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,7 @@ import argparse
 import benchmarks
 from benchmarks.accuracy import accuracy
 from benchmarks.data import data_paths
+from benchmarks.decode import decode_rates
 from benchmarks.endtoend import LAUNCHERS, endtoend, tree_spec
 from benchmarks.ours_recipe import CONFIGS
 from benchmarks.profile import profile_steps
@@ -106,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--options", default="", type=str.split, metavar="OPTIONS",
                    help="the launchers' options on top of the defaults, e.g. --options '--compile'")
 
+    g = sub.add_parser("decode", help="images/s of --device-augment's start-up decoding: nvJPEG against the CPU")
+    common(g, "docs/benchmark/decode.json", 224)
+    g.add_argument("--device", default=None, help="the GPU (default: cuda; the CPU decodes both ways without one)")
+    g.add_argument("--threads", type=int, default=0, help="the CPU's decoding threads (default: the usable cores)")
+    g.add_argument("--repeats", type=int, default=3)
+
     s = sub.add_parser("startup", help="seconds to the first step and peak memory, new run and resume, by folder size")
     common(s, "docs/benchmark/cpu-startup.json", 32)
     s.add_argument("--images", type=int, nargs="+", default=[3670, 20000, 100000],
@@ -119,7 +126,7 @@ def main() -> None:
     args = build_parser().parse_args()
     with exit_on_error():
         {"throughput": throughput, "data": data_paths, "accuracy": accuracy, "endtoend": endtoend,
-         "profile": profile_steps, "startup": startup}[args.command](args)
+         "profile": profile_steps, "startup": startup, "decode": decode_rates}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,8 @@ def time_command(cmd: list[str], out_dir: Path, tree: Path = ROOT) -> dict[str, 
         "data_wait_share": round(sum(r["data_wait_seconds"] for r in records) / train, 4),
         "train_images_per_sec": round(statistics.median(r["train_images_per_sec"] for r in records[1:] or records), 1),
         "epochs": len(records),
+        # Each epoch's (train_loss, val_loss): two checkouts that must train alike compare equal here.
+        "losses": [[r["train_loss"], r["val_loss"]] for r in records],
         "startup_lines": [line for line in proc.stdout.splitlines() if line.startswith(("device augment:", "cache:"))],
         "time_line": next((line for line in proc.stdout.splitlines() if line.startswith("time:")), None),
     }

@@ -222,12 +222,22 @@ def machine_info(name: str | None) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
+    if gpu:
+        info.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), gpu_driver=gpu_driver())
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         git = ["git", "-C", str(ROOT)]
         info["git_commit"] = subprocess.check_output([*git, "rev-parse", "HEAD"], text=True).strip()
         dirty = subprocess.check_output([*git, "status", "--porcelain", "--untracked-files=no"], text=True).split("\n")
         info["git_modified_files"] = [line[3:] for line in dirty if line.strip()]
     return info
+
+
+def gpu_driver() -> str | None:
+    """The NVIDIA driver's version, as nvidia-smi reports it."""
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        return subprocess.check_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       text=True).split("\n")[0].strip()
+    return None
 
 
 class Run:

@@ -9,12 +9,13 @@ from multi_train_utils.config import Plan, get_args_parser, prepare
 
 # Project options that turn each of our configurations on; `ours` is the defaults as they are.
 OURS_OPTIONS = {"ours": [], "ours-compile": ["--compile"], "ours-cache": ["--cache"],
-                "ours-device": ["--device-augment"], "ours-blurpool": ["--blurpool"], "ours-syncbn": ["--sync-bn"]}
+                "ours-device": ["--device-augment"], "ours-blurpool": ["--blurpool"], "ours-syncbn": ["--sync-bn"],
+                "ours-graph": ["--cuda-graph", "on"], "ours-eager": ["--cuda-graph", "off"]}
 CONFIGS = ("seed", *OURS_OPTIONS)
 # Configurations whose synthetic-input figure is ours' (the option only changes the loader),
 # and whose loader is ours' (the option only changes the model).
 SAME_SYNTHETIC_AS_OURS = {"ours-cache", "ours-device"}
-SAME_LOADER_AS_OURS = {"ours-compile", "ours-blurpool", "ours-syncbn"}
+SAME_LOADER_AS_OURS = {"ours-compile", "ours-blurpool", "ours-syncbn", "ours-graph", "ours-eager"}
 _PROG = "benchmark"  # the launcher name the project's parser and `prepare` are given
 
 

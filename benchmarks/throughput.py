@@ -305,8 +305,10 @@ def _print_record(record: dict[str, Any], repeats: int) -> None:
 
 
 def _measure_interleaved(args: argparse.Namespace, plans: dict[str, Plan], split: DataSplit, inputs: list[str],
-                         sizes_of: dict[str, set[int]], world_sizes: list[int]) -> list[dict[str, Any]]:
-    """Every measurement, each in fresh processes, interleaved over the repetitions."""
+                         sizes_of: dict[str, set[int]], world_sizes: list[int],
+                         measured: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Every measurement, each in fresh processes, interleaved over the repetitions; `measured`
+    is given the list after each one."""
     start_method = multiprocessing.get_start_method()
     order = [(kind, ws, c) for kind in inputs for ws in world_sizes for c in plans
              if ws in sizes_of[c] and not (kind == "synthetic" and c in SAME_SYNTHETIC_AS_OURS)]
@@ -328,6 +330,7 @@ def _measure_interleaved(args: argparse.Namespace, plans: dict[str, Plan], split
                 measurements.append(record)
                 if "error" not in record:
                     _print_record(record, args.repeats)
+                measured(measurements)
     return measurements
 
 
@@ -342,17 +345,24 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
         split = readable_split(next(iter(plans.values())), DistContext.single())
         print(f"{len(split.train)} training images, {len(split.class_names)} classes; configs {configs}, "
               f"world sizes {world_sizes}, inputs {inputs}, {args.repeats} repetition(s)", flush=True)
-        measurements = _measure_interleaved(args, plans, split, inputs, sizes_of, world_sizes)
+        settings = {
+            "data_path": args.data_path, "images": args.images, "train_images": len(split.train),
+            "classes": len(split.class_names), "img_size": args.img_size, "batch_size_per_process": args.batch_size,
+            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "launcher": args.launcher,
+            "configs": {c: sorted(sizes_of[c]) for c in configs},
+            "world_sizes": world_sizes, "inputs": inputs,
+            "ours_options": {c: vars(plans[c].args) for c in configs if c != "seed"},
+        }
 
-    settings = {
-        "data_path": args.data_path, "images": args.images, "train_images": len(split.train),
-        "classes": len(split.class_names), "img_size": args.img_size, "batch_size_per_process": args.batch_size,
-        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "launcher": args.launcher,
-        "configs": {c: sorted(sizes_of[c]) for c in configs},
-        "world_sizes": world_sizes, "inputs": inputs,
-        "ours_options": {c: vars(plans[c].args) for c in configs if c != "seed"},
-    }
-    result = run.result(settings, definitions=DEFINITIONS, started_at=True, skipped=skipped,
-                        summary=summarise(measurements, len(split.train)), measurements=measurements)
+        def result_of(measurements: list[dict[str, Any]]) -> dict[str, Any]:
+            return run.result(settings, definitions=DEFINITIONS, started_at=True, skipped=skipped,
+                              summary=summarise(measurements, len(split.train)), measurements=measurements)
+
+        def keep(measurements: list[dict[str, Any]]) -> None:  # a time limit then loses one measurement at most
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result_of(measurements), indent=1) + "\n")
+
+        measurements = _measure_interleaved(args, plans, split, inputs, sizes_of, world_sizes, keep)
+    result = result_of(measurements)
     write_result(result, args.out, throughput_table(result), plot_throughput)
     return result
