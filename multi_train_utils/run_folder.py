@@ -108,8 +108,10 @@ class RunFiles:
         self.output_dir, self.args, self.split, self.progress, self.ctx = output_dir, plan.args, split, progress, ctx
         self.model, self.optimizer, self.scaler, self.ema = model, optimizer, scaler, ema
         self.began = began or time.perf_counter()
+        # A resumed --time-budget run keeps the epoch count its first epoch fixed (progress.py).
+        fixed = {"budget_epochs": progress.budget_epochs} if progress.budget_epochs else {}
         write_json(output_dir / CONFIG_FILE, {**vars(plan.args), "launcher": plan.launcher,
-                                              "world_size": ctx.world_size, "torch": torch.__version__})
+                                              "world_size": ctx.world_size, "torch": torch.__version__, **fixed})
         write_json(output_dir / "class_indices.json", dict(enumerate(split.class_names)))
         save_split(split, output_dir / SPLIT_FILE, data_root)
         restore_metrics(output_dir / METRICS_FILE, progress.epoch)
