@@ -46,10 +46,11 @@ def main() -> None:
         # The processes meet at a store this launcher hosts: at --dist-url or MASTER_ADDR:MASTER_PORT,
         # else at a free port on 127.0.0.1.
         store = host_store(args)
-    with passing_sigterm_on() as processes:  # a SIGTERM to the launcher alone reaches its processes
+    with passing_sigterm_on() as started:  # a SIGTERM to the launcher alone reaches its processes
         context = mp.spawn(worker, args=(plan, (store.host, store.port)), nprocs=plan.world_size, join=False)
-        processes.extend(context.processes)
-    sys.exit(join_processes(context))  # the first failure ends the job; Ctrl-C ends them all
+        started(context.processes)
+        code = join_processes(context)  # the first failure ends the job; Ctrl-C ends them all
+    sys.exit(code)
 
 
 def worker(rank: int, plan, store_address: tuple[str, int]) -> None:

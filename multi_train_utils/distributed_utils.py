@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import Sampler
 
+from multi_train_utils import attempt_store
 from multi_train_utils.rendezvous import (
     CHECK_ADVICE,
     JOIN_REPORT_SECONDS,
@@ -175,6 +176,8 @@ def init_distributed(rdzv: Rendezvous | None, device_spec: str | None, backend: 
         raise UserError(f"rank {rdzv.rank}: {problem}")
     _configure_threads(device, rdzv.local_world_size)
     where, store = meeting_store(rdzv, timeout_s, report_every_s, advice)
+    if attempt_store.needed(rdzv):  # torchrun's agent's store outlives this attempt: one of its own
+        where, store = attempt_store.attempt_store(store, rdzv.rank, where, timeout_s)
     dist.init_process_group(
         backend=backend,
         rank=rdzv.rank,
@@ -225,7 +228,8 @@ def start_method(ctx: DistContext) -> multiprocessing.context.BaseContext:
     if fixed or not (ctx.distributed or ctx.device.type == "cuda"):
         return multiprocessing.get_context("fork")
     server = multiprocessing.get_context("forkserver")
-    server.set_forkserver_preload(["torch", "torchvision", "my_dataset", "multi_train_utils.loaders", "plots"])
+    server.set_forkserver_preload(["multi_train_utils.fork_server_start", "torch", "torchvision", "my_dataset",
+                                   "multi_train_utils.loaders", "plots"])
     multiprocessing.forkserver.ensure_running()  # now: it imports those while this process goes on
     return server
 
@@ -246,11 +250,11 @@ def forward_signal(processes: list, signum: int) -> None:
 
 
 @contextlib.contextmanager
-def passing_sigterm_on() -> Iterator[list]:
+def passing_sigterm_on() -> Iterator[Callable[[list], None]]:
     """A SIGTERM sent to this process alone (a scheduler signals the launcher) passed on to the
-    processes put in the list it gives, those put there later included: they then save where
-    they are and exit (75). In effect from before they start: a SIGTERM that came while they
-    were starting would otherwise end this process and leave them running."""
+    processes given to the function it yields: they then save where they are and exit (75). In
+    effect from before they start until the block ends (the launcher joins them inside it): a
+    SIGTERM that came while they were starting is passed on as they are given."""
     processes: list = []
     came: list[int] = []
 
@@ -258,11 +262,14 @@ def passing_sigterm_on() -> Iterator[list]:
         came.append(signal.SIGTERM)
         forward_signal(processes, signal.SIGTERM)
 
+    def started(new: list) -> None:
+        processes.extend(new)
+        if came:  # it came while they were starting, before they were in the list
+            forward_signal(new, signal.SIGTERM)
+
     previous = signal.signal(signal.SIGTERM, pass_on)
     try:
-        yield processes
-        if came:  # it came while they were starting, before they were in the list
-            forward_signal(processes, signal.SIGTERM)
+        yield started
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -2,16 +2,22 @@
 environment, and checkpoints that move between launchers and world sizes."""
 from __future__ import annotations
 
+import datetime
 import math
 import os
+import secrets
 import signal
 import sys
+import threading
+import time
 
 import pytest
+import torch.distributed as dist
 from conftest import (FAST, SAMPLE, SMALL_MODEL, child_pids, kill_group, launcher_cmd, metrics, processes_with_marker,
                       start, start_job, wait_for_epochs, wait_until_gone)
 
-from multi_train_utils.rendezvous import find_free_port
+from multi_train_utils.attempt_store import POST, attempt_store
+from multi_train_utils.rendezvous import find_free_port, store_listening_on
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 pytestmark = pytest.mark.slow
@@ -141,3 +147,26 @@ def test_a_second_agent_joining_restarts_the_job_with_both(tmp_path):
     assert records[0]["world_size"] == 1 and records[-1]["world_size"] == 2
     for _, out, err in results:
         assert "disagree" not in err and "claim rank" not in err, err[-3000:]
+
+
+def test_a_restarted_rank_skips_an_earlier_attempts_store(monkeypatch):
+    """The agent's store still holds the post of an earlier attempt: first a port that is
+    closed now, then a live store with another token (another attempt's rank 0, or a program
+    on a reused port). Rank 1 waits past both for this attempt's rank 0, and meets at its store."""
+    agent = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    agent.set(POST, f"{find_free_port()} {secrets.token_hex(8)}")  # closed: nothing listens there
+    other = store_listening_on("127.0.0.1", 0, 30)
+    other.set("token", "someone-else")
+    met = {}
+    rank_1 = threading.Thread(target=lambda: met.update(one=attempt_store(agent, 1, "127.0.0.1:1", 30)))
+    rank_1.start()
+    time.sleep(0.5)
+    agent.set(POST, f"{other.port} not-someone-else")  # a live store, but not the one posted
+    time.sleep(0.5)
+    assert rank_1.is_alive()
+    where, store = attempt_store(agent, 0, "127.0.0.1:1", 30)
+    rank_1.join(10)
+    assert met["one"][0] == where and where != f"127.0.0.1:{other.port}"
+    store.set("hello", "from rank 0")
+    assert met["one"][1].get("hello") == b"from rank 0"

@@ -1,0 +1,9 @@
+"""Imported first by the fork server that start_method() (distributed_utils.py) starts, and by
+nothing else: the server then ends the moment the training process that started it ends, and
+its children, the loader workers and plotters, with it (each of them asks for that of its own
+parent: die_with_parent). Without it, a training process that is SIGKILLed leaves the server
+and its workers running for ever: each worker holds the server's liveness pipe open, and
+torch's watchdog in a worker watches the worker's parent, which is the server."""
+from multi_train_utils.distributed_utils import die_with_parent
+
+die_with_parent()
