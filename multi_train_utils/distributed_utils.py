@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import dataclasses
 import datetime
 import inspect
@@ -240,6 +241,14 @@ def die_with_parent() -> None:
     open after the launcher has gone."""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
+def keep_inherited_objects() -> None:
+    """In a forked child: never garbage-collect what the parent left in memory. A finalizer of
+    one of those (a library's thread pool, say onnxruntime's) may wait on a lock that a thread of
+    the parent held at the fork, a thread the child does not have: the child would hang there.
+    It also spares the parent's pages the copies a collection's writes would make."""
+    gc.freeze()
 
 
 def forward_signal(processes: list, signum: int) -> None:

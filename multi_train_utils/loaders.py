@@ -21,6 +21,7 @@ from multi_train_utils.distributed_utils import (
     ShardSampler,
     broadcast_object,
     die_with_parent,
+    keep_inherited_objects,
     gather_objects,
     start_method,
 )
@@ -214,6 +215,7 @@ def start_worker(_worker_id: int) -> None:
     """Set up a loader worker: it ends with its training process (sooner than PyTorch's
     watchdog would notice), and drops no traceback about a handover cut short."""
     die_with_parent()
+    keep_inherited_objects()
     sys.excepthook = quiet_dropped_handover(sys.excepthook)
 
 

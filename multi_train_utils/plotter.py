@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from multi_train_utils.distributed_utils import die_with_parent
+from multi_train_utils.distributed_utils import die_with_parent, keep_inherited_objects
 from plots import figure_class, save_curves, save_data_plots, save_report_plots
 from utils import stderr_line
 
@@ -110,6 +110,7 @@ class Plotter:
 def draw_on_order(orders: Any, run_dir: Path, drawings: dict[str, tuple[Callable[[Path], Any], ...]]) -> None:
     """A plotter process: draw what each order asks of it, until the run says it is done."""
     die_with_parent()
+    keep_inherited_objects()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle; the run then ends this process
     run_only_when_idle()
     torch.set_num_threads(1)  # as a loader worker does: the parent's thread pool did not survive the fork

@@ -4,12 +4,15 @@ at any moment of a write leaves the previous last.pth whole."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from conftest import REPO
 from multi_train_utils import run_folder
 from multi_train_utils.checkpoint import copy_atomic, load_checkpoint
 from multi_train_utils.config import Plan
-from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.distributed_utils import DistContext, keep_inherited_objects
 from multi_train_utils.progress import Progress
 from multi_train_utils.run_folder import CheckpointWriteFailed, RunFiles
 from multi_train_utils.train_eval_utils import Evaluation
@@ -150,3 +153,35 @@ def test_best_pth_copied_where_links_fail_is_on_disk_before_the_rename(tmp_path,
     copy_atomic(tmp_path / "last.pth", tmp_path / "best.pth")
     assert (tmp_path / "best.pth").read_bytes() == b"checkpoint bytes"
     assert str(tmp_path / ".best.pth.tmp") in synced
+
+
+class Finalized:
+    """An object in a reference cycle whose finalizer leaves a mark: garbage for the collector."""
+
+    def __init__(self, mark: Path):
+        self.mark, self.cycle = mark, self
+
+    def __del__(self):
+        self.mark.write_text(f"collected in process {os.getpid()}")
+
+
+def collect_in_child() -> None:
+    keep_inherited_objects()  # what a plotter and a loader worker do first
+    gc.collect()
+
+
+def test_a_forked_helper_never_collects_what_it_inherited(tmp_path):
+    """A plotter or loader worker forked from a process that holds uncollected garbage must not
+    run its finalizers: one of a library's thread pool waits on a lock of a thread the fork left
+    behind (seen: a plotter hung for ever in onnxruntime's, inside the test process)."""
+    gc.disable()  # the garbage must still be there at the fork
+    try:
+        Finalized(tmp_path / "mark")
+        child = multiprocessing.get_context("fork").Process(target=collect_in_child)
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0 and not (tmp_path / "mark").exists()
+        gc.collect()
+        assert (tmp_path / "mark").read_text() == f"collected in process {os.getpid()}"
+    finally:
+        gc.enable()
