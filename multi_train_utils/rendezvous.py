@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import ipaddress
 import os
 import socket
 import threading
@@ -387,14 +388,26 @@ def host_store(args: argparse.Namespace) -> dist.TCPStore:
 
 
 def store_listening_on(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A TCPStore server on host:port (0: a free port), listening there only."""
+    """A TCPStore server on host:port (0: a free port), on that address alone when it is one
+    (loopback's included); for a host name, on every interface, as torch's own store listens: a
+    machine may resolve its own name to an address the others cannot reach (127.0.1.1)."""
     try:
-        sock = socket.create_server((host, port), backlog=128)
+        every_interface = ipaddress.ip_address(host) is None  # an address: that one alone
+    except ValueError:
+        every_interface = host != "localhost"  # a name
+    try:
+        if not every_interface:
+            sock = socket.create_server((host, port), backlog=128)
+        elif socket.has_dualstack_ipv6():
+            sock = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=128)
+        else:
+            sock = socket.create_server(("", port), backlog=128)
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror}): is MASTER_PORT used by another job (or a "
                         "second process started as rank 0)?") from None
     return dist.TCPStore(
-        host, sock.getsockname()[1], None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+        "127.0.0.1" if every_interface else host, sock.getsockname()[1], None, is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False, master_listen_fd=sock.detach(),
         use_libuv=False,  # torch 2.5's default backend, libuv, cannot take over a listening socket
     )
