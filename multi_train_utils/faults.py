@@ -72,12 +72,18 @@ def handling_sigterm_and_faults(output_dir: Path, ctx: DistContext) -> Iterator[
             cause = (f"{who}the connection to another process of the job broke during a collective "
                      f"({short(first_line)}): {watch.who_ended()}")
         else:
+            if watch:
+                watch.failed(e)
             raise
         show_traceback(e)
         raise RunBroken(f"{cause}. {what_holds(output_dir, ctx)}") from None
     except ProjectError:  # raised on every rank alike (a preemption, a NaN loss): no rank ended before the others
         if watch:
             watch.finished()
+        raise
+    except Exception as e:  # a bug, or a file that stopped decoding: this rank ends first, the others learn why
+        if watch:
+            watch.failed(e)
         raise
     else:
         if watch:
@@ -175,6 +181,15 @@ class FaultWatch:
                 remote = [r for r in remote if store.add(f"beat/{r}", 0) == before[r]]
             gone += remote
         return sorted(r for r in gone if not store.check([f"stopping/{r}"]) and not store.check([f"finished/{r}"]))
+
+    def failed(self, error: BaseException) -> None:
+        """This rank ends on an error of its own: written where the others, whose collective then
+        breaks, read which process ended and why (before this one leaves the process group)."""
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        with contextlib.suppress(RuntimeError):
+            self.store.compare_set("ended", "", f"rank {self.ctx.rank} on {self.here} failed with "
+                                                f"{type(error).__name__}: {short(first_line)}, and its own output "
+                                                "says more")
 
     def finished(self) -> None:
         """This rank ends with the others (the run's end, a preemption, a NaN loss): its exit is no fault."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import re
 import pickle
 import random
 import signal
@@ -141,8 +142,9 @@ def test_spawn_child_killed_brings_the_job_down(tmp_path):
 
 @pytest.mark.slow
 def test_spawn_child_exception_is_shown_and_the_job_ends(tmp_path):
-    """An image is corrupted after start-up: the rank that reads it raises, the other ranks
-    wait in a collective, and the launcher takes them all down, showing the error."""
+    """An image is corrupted after start-up: the rank that reads it raises and says so, the
+    other ranks wait in a collective and name that rank's error as the cause, and the launcher
+    takes them all down."""
     data = copy_sample(tmp_path / "data")
     proc, marker = start_job("spawn", tmp_path / "run", "--epochs", "50", data=data)
     wait_for_epochs(proc, tmp_path / "run", 1)
@@ -150,7 +152,12 @@ def test_spawn_child_exception_is_shown_and_the_job_ends(tmp_path):
     sorted((data / "roses").iterdir())[0].write_bytes(b"no longer a JPEG")
     seconds, err = wait_until_gone(proc, marker)
     assert proc.returncode != 0 and seconds < STOP_WITHIN
-    assert "cannot decode" in err and "terminated with the following error" in err, err[-3000:]
+    failing = re.search(r"^rank (\d): RuntimeError: cannot decode", err, re.MULTILINE)
+    assert failing, err[-3000:]
+    other = 1 - int(failing.group(1))
+    assert re.search(rf"^error: rank {other} on .*rank {failing.group(1)} on \S+ failed with RuntimeError: cannot decode",
+                     err, re.MULTILINE), err[-3000:]
+    assert "no process of the job has ended" not in err, err[-3000:]
 
 
 @pytest.mark.slow
