@@ -155,7 +155,7 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     speed.add_argument("--compile", action=BoolFlag, help="torch.compile the model (pays off only on long runs)")
     speed.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"],
                        help="replay the training step as one CUDA graph, captured after a few eager steps: small "
-                            "batches at the GPU's speed; auto: on a GPU, unless --accum-steps or --compile")
+                            "batches at the GPU's speed; auto: on a GPU, unless --accum-steps, --compile or --sync-bn")
     speed.add_argument("--device-augment", action=BoolFlag,
                        help="decode the training images once into the device's memory (img/0.875 px squares) and "
                             "crop, resize and flip each batch there in one call, so the loader workers only draw "

@@ -33,10 +33,11 @@ def blockers(args: argparse.Namespace) -> list[str]:
 
 
 def wanted(args: argparse.Namespace, device: torch.device) -> bool:
-    """Whether this run's steps are graphed: --cuda-graph on, or auto on a GPU where the options allow it."""
+    """Whether this run's steps are graphed: --cuda-graph on, or auto on a GPU where the options
+    allow it and it was tried (--sync-bn's collectives inside the forward pass were not)."""
     if args.cuda_graph == "off" or device.type != "cuda":
         return False
-    return args.cuda_graph == "on" or not blockers(args)
+    return args.cuda_graph == "on" or not (blockers(args) or args.sync_bn)
 
 
 def use_side_stream(device: torch.device) -> None:

@@ -91,7 +91,8 @@ def test_cuda_graph_on_is_refused_without_a_gpu_and_beside_what_it_cannot_run_wi
 
 @pytest.mark.parametrize("choice,device,extra,graphed", [
     ("auto", "cuda", [], True), ("auto", "cpu", [], False), ("off", "cuda", [], False),
-    ("auto", "cuda", ["--accum-steps", "2"], False), ("on", "cuda", [], True)])
+    ("auto", "cuda", ["--accum-steps", "2"], False), ("auto", "cuda", ["--sync-bn"], False),
+    ("on", "cuda", ["--sync-bn"], True), ("on", "cuda", [], True)])
 def test_auto_graphs_the_step_on_a_gpu_where_the_options_allow(choice, device, extra, graphed):
     args: argparse.Namespace = args_for("--cuda-graph", choice, *extra)
     assert cuda_graph.wanted(args, torch.device(device)) is graphed
