@@ -57,7 +57,7 @@ class GraphedStep:
     the caller must run this batch's step eagerly."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, batch_size: int, under_ddp: bool, device: torch.device):
-        use_side_stream(device)
+        # place_model made a side stream this thread's current one, before the DDP wrap.
         self.batch_size = batch_size
         self.warmup = WARMUP_STEPS_UNDER_DDP if under_ddp else WARMUP_STEPS
         self.shape: tuple = ()  # the shape the graph was captured for, or is warming up for
