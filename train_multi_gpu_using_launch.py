@@ -33,6 +33,7 @@ from multi_train_utils.config import read_command_line
 from multi_train_utils.distributed_utils import init_distributed
 from multi_train_utils.faults import handling_sigterm_and_faults
 from multi_train_utils.loaders import build_datasets
+from multi_train_utils.preemption import exit_75_on_sigterm
 from multi_train_utils.report import write_report
 from multi_train_utils.resume import restore_training
 from multi_train_utils.run_folder import RunFiles, open_run_folder
@@ -43,6 +44,7 @@ from utils import exit_on_error
 @record  # torchrun's failure summary then shows each failed process's own error
 def main() -> None:
     with exit_on_error():
+        exit_75_on_sigterm()  # a SIGTERM before training: exit 75 (requeue me); during it: a stop at a step
         plan = read_command_line("launch", __doc__)  # checked, images listed, torchrun's (or srun's) ranks read
         args = plan.args
         if args.check:  # diagnose instead of training
@@ -122,7 +124,7 @@ def train(plan, ctx) -> None:
                 progress.finish_epoch(epoch, evaluated.acc, train_stats, evaluated.seconds)
                 if ctx.is_main:  # rank 0 alone saves; the others go on to their next collective
                     files.save_epoch(epoch, progress, train_stats, evaluated, is_best)
-            # all_reduce and all_gather: best.pth's report, from the outputs its epoch kept (a barrier if it reloads).
+            # all_reduce and all_gather: best.pth's report, from the outputs its epoch kept (a broadcast if it reloads).
             write_report(model_without_ddp, val_loader, data, output_dir, args, ctx, best=best)
 
 

@@ -31,6 +31,7 @@ from multi_train_utils.config import read_command_line
 from multi_train_utils.distributed_utils import init_distributed, join_processes, passing_sigterm_on
 from multi_train_utils.faults import handling_sigterm_and_faults
 from multi_train_utils.loaders import build_datasets
+from multi_train_utils.preemption import exit_75_on_sigterm
 from multi_train_utils.rendezvous import Rendezvous, host_store
 from multi_train_utils.report import write_report
 from multi_train_utils.resume import restore_training
@@ -58,6 +59,7 @@ def worker(rank: int, plan, store_address: tuple[str, int]) -> None:
     local rank is the rank)."""
     args = plan.args
     with exit_on_error(rank):
+        exit_75_on_sigterm()  # a SIGTERM before training: exit 75 (requeue me); during it: a stop at a step
         rdzv = Rendezvous(rank, rank, plan.world_size, plan.world_size, store_address)
         if args.check:  # diagnose instead of training
             sys.exit(check(plan, rdzv))  # its own rendezvous, then an all_gather and all_reduces
@@ -135,7 +137,7 @@ def train(plan, ctx) -> None:
                 progress.finish_epoch(epoch, evaluated.acc, train_stats, evaluated.seconds)
                 if ctx.is_main:  # rank 0 alone saves; the others go on to their next collective
                     files.save_epoch(epoch, progress, train_stats, evaluated, is_best)
-            # all_reduce and all_gather: best.pth's report, from the outputs its epoch kept (a barrier if it reloads).
+            # all_reduce and all_gather: best.pth's report, from the outputs its epoch kept (a broadcast if it reloads).
             write_report(model_without_ddp, val_loader, data, output_dir, args, ctx, best=best)
 
 

@@ -22,6 +22,7 @@ from multi_train_utils.config import read_command_line
 from multi_train_utils.distributed_utils import setup_single
 from multi_train_utils.faults import handling_sigterm_and_faults
 from multi_train_utils.loaders import build_datasets
+from multi_train_utils.preemption import exit_75_on_sigterm
 from multi_train_utils.report import write_report
 from multi_train_utils.resume import restore_training
 from multi_train_utils.run_folder import RunFiles, open_run_folder
@@ -31,6 +32,7 @@ from utils import exit_on_error
 
 def main() -> None:
     with exit_on_error():
+        exit_75_on_sigterm()  # a SIGTERM before training: exit 75 (requeue me); during it: a stop at a step
         plan = read_command_line("single", __doc__)  # parsed and checked, images listed
         args = plan.args
         if args.check:

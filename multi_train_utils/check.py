@@ -80,13 +80,18 @@ class StageTimeout(Exception):
     pass
 
 
-def bounded(stage: str, timeout_s: float, fn: Callable[[], T]) -> T:
+def bounded(stage: str, timeout_s: float, fn: Callable[[], T], device: torch.device | None = None) -> T:
     """fn() in a thread, given `timeout_s`: a hang becomes StageTimeout, not a wait. The thread
-    is left behind (a stuck socket or collective cannot be cancelled); the check then exits."""
+    is left behind (a stuck socket or collective cannot be cancelled); the check then exits.
+    A new thread's current GPU is cuda:0 whatever the process chose: with `device`, the thread
+    takes the rank's GPU first, where a process group made for it wants its tensors (NCCL
+    refuses an object collective's tensor on another GPU, pytorch/pytorch#115861)."""
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)
             box["value"] = fn()
         except BaseException as e:  # handed to the caller's thread
             box["error"] = e
@@ -265,7 +270,7 @@ def check(plan: Plan, rdzv: Rendezvous | None) -> int:
             "rendezvous", FAIL, str(e), "start the missing processes; the same command with --check on each "
             "node shows what that node lacks (docs/troubleshooting.md)"))
     try:
-        everyone = bounded("the inventory", timeout, lambda: gather_objects(facts, ctx))
+        everyone = bounded("the inventory", timeout, lambda: gather_objects(facts, ctx), ctx.device)
         # Now the machines are known, not guessed from the launcher's node count: several
         # torchrun agents on one machine may meet on loopback.
         machines = len({f.host for f in everyone})
@@ -274,7 +279,7 @@ def check(plan: Plan, rdzv: Rendezvous | None) -> int:
         collective, hung = collective_rows(ctx, facts, timeout, transport_log)
         if hung:
             give_up(rank, alone + inventory + collective, collective[-1])
-        figures = bounded("the figures", 4 * timeout, lambda: step_figures(plan, ctx))
+        figures = bounded("the figures", 4 * timeout, lambda: step_figures(plan, ctx), ctx.device)
     except StageTimeout as e:
         give_up(rank, alone, Row("collectives", FAIL, str(e), "a peer stopped answering: see its own line"))
     except Exception as e:
@@ -354,7 +359,7 @@ def collective_rows(ctx: DistContext, facts: Facts, timeout: float, transport_lo
     hung, the reason then being the last row."""
     started = time.perf_counter()
     try:
-        total = bounded("the all-reduce", timeout, lambda: checked_sum(ctx))
+        total = bounded("the all-reduce", timeout, lambda: checked_sum(ctx), ctx.device)
     except StageTimeout as e:
         hung = p2p_row(os.environ.get("NCCL_P2P_DISABLE") == "1", "hung") if facts.backend == "nccl" else None
         return [hung or Row("all-reduce", FAIL, str(e), "a peer or a link stopped answering: see each rank's "

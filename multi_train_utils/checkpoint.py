@@ -98,15 +98,22 @@ def check_classes(checkpoint: dict[str, Any], class_names: list[str], source: st
 def snapshot(obj: Any) -> Any:
     """A copy of a checkpoint, taken now, in host memory: training goes on changing the tensors
     it names while a background writer saves the copy. GPU tensors go to pinned memory, all
-    copies queued first and waited for once."""
+    copies queued first and waited for once, on a stream of their own: a pinned block records an
+    event on the stream it was copied on when it is freed (by the writer thread, later), and that
+    must not be the stream whose steps may be captured into a CUDA graph at that moment."""
     copies: list[torch.Tensor] = []
+    streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def copy(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             if value.device.type == "cpu":
                 return value.detach().clone()
+            if value.device not in streams:
+                streams[value.device] = torch.cuda.Stream(value.device)
+                streams[value.device].wait_stream(torch.cuda.current_stream(value.device))  # the values are final
             host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            copies.append(host.copy_(value.detach(), non_blocking=True))
+            with torch.cuda.stream(streams[value.device]):
+                copies.append(host.copy_(value.detach(), non_blocking=True))
             return host
         if isinstance(value, dict):
             return {k: copy(v) for k, v in value.items()}
@@ -129,12 +136,24 @@ def save_atomic(obj: Any, path: Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private to the owner; a checkpoint is not secret
+        os.chmod(tmp, new_file_mode())  # mkstemp makes it private to the owner; the umask decides, as for any file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def new_file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (0o644 under the usual 022,
+    0o664 under a group's 002), read without os.umask(), which would change it for every thread
+    a moment."""
+    try:
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):  # not Linux, or a kernel before 4.7
+        umask = 0o022
+    return 0o666 & ~umask
 
 
 def copy_atomic(src: Path, dst: Path) -> None:

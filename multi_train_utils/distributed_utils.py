@@ -20,6 +20,7 @@ import secrets
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -107,6 +108,11 @@ def resolve_device(spec: str | None, local_rank: int, local_world_size: int = 1,
             "CUDA_VISIBLE_DEVICES"
         )
     index = local_rank if device.index is None else device.index
+    if device.index is None and available == 1:
+        # `srun --gpus-per-task=1` (and a CUDA_VISIBLE_DEVICES of one GPU per process) shows each
+        # task its own GPU alone: that one, whatever the local rank. Two processes given the same
+        # GPU this way fail in NCCL's start ("Duplicate GPU detected").
+        index = 0
     if index >= available:
         raise UserError(
             f"this process wants GPU {index}, but only {available} GPU(s) are visible: "
@@ -179,6 +185,9 @@ def init_distributed(rdzv: Rendezvous | None, device_spec: str | None, backend: 
     where, store = meeting_store(rdzv, timeout_s, report_every_s, advice)
     if attempt_store.needed(rdzv):  # torchrun's agent's store outlives this attempt: one of its own
         where, store = attempt_store.attempt_store(store, rdzv.rank, where, timeout_s)
+    # init_process_group sets its timeout only on a store it makes itself, and NCCL's start (rank
+    # 0's unique id) and the fault watch wait on this one: --dist-timeout, not a client's 5 s.
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
     dist.init_process_group(
         backend=backend,
         rank=rdzv.rank,
@@ -193,7 +202,8 @@ def init_distributed(rdzv: Rendezvous | None, device_spec: str | None, backend: 
     # outlives this attempt, and keys of an earlier one must never be read as this one's.
     job = DistContext(rdzv.rank, rdzv.local_rank, rdzv.world_size, rdzv.local_world_size, device, distributed=True)
     namespace = broadcast_object(f"job-{secrets.token_hex(6)}/" if rdzv.rank == 0 else None, job)
-    ctx = dataclasses.replace(job, store=dist.PrefixStore(namespace, store), store_host=store_host(rdzv))
+    host = "rank 0" if attempt_store.needed(rdzv) else store_host(rdzv)  # the attempt's store is rank 0's
+    ctx = dataclasses.replace(job, store=dist.PrefixStore(namespace, store), store_host=host)
     ctx.print0(f"process group: backend={backend}, world_size={rdzv.world_size}, rendezvous={where}, "
                f"threads per process={torch.get_num_threads()}")
     return ctx
@@ -227,7 +237,7 @@ def start_method(ctx: DistContext) -> multiprocessing.context.BaseContext:
     from a fork server instead, a process without threads that imports torch once."""
     fixed = sys.version_info >= (3, 12, 1) or (3, 11, 10) <= sys.version_info < (3, 12)
     if fixed or not (ctx.distributed or ctx.device.type == "cuda"):
-        return multiprocessing.get_context("fork")
+        return ForkWithSigtermBlocked()
     server = multiprocessing.get_context("forkserver")
     server.set_forkserver_preload(["multi_train_utils.fork_server_start", "torch", "torchvision", "my_dataset",
                                    "multi_train_utils.loaders", "plots"])
@@ -241,6 +251,48 @@ def die_with_parent() -> None:
     open after the launcher has gone."""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
+class ForkedWithSigtermBlocked(multiprocessing.context.ForkProcess):
+    """A forked helper whose threads, all made after the fork, start with SIGTERM blocked: the
+    signal then reaches only the thread of leave_sigterm_to's, never a handler of torch's in a
+    thread the helper made before that ran (the fork server's children inherit its mask)."""
+
+    def start(self) -> None:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class ForkWithSigtermBlocked(multiprocessing.context.ForkContext):
+    Process = ForkedWithSigtermBlocked
+
+
+def leave_sigterm_to(trainer: int | None) -> None:
+    """In a helper process (a loader worker, a plotter, the fork server) of the training process
+    `trainer`: a SIGTERM from that process ends this one, as torch's DataLoader and
+    multiprocessing end their children; a SIGTERM from anyone else is left to the training
+    process. SLURM's slurmstepd, `docker stop` with an init and `kill -TERM -PGID` signal every
+    process of the job, helpers included; the training process turns it into a stop at the next
+    step and a saved position (preemption.py), and needs its helpers until then: a loader
+    worker dies of a SIGTERM its parent did not send (torch's handler), and the run would fail
+    on the dead worker instead. The signal stays blocked (from the fork on: start_method), and
+    a thread of this process's own takes it with sigwaitinfo, which tells who sent it (a
+    handler is not told). `trainer` None: every SIGTERM is left alone (the fork server, which
+    ends with the training process in any case, and whose children inherit the blocked signal)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a thread that does not block it drops it
+    if trainer is None or not hasattr(signal, "sigwaitinfo"):  # sigwaitinfo: Linux and most Unixes, not macOS
+        return
+
+    def wait_for_the_trainers_sigterm() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != trainer:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=wait_for_the_trainers_sigterm, name="sigterm", daemon=True).start()
 
 
 def keep_inherited_objects() -> None:

@@ -7,9 +7,12 @@ traceback before it, for a bug report.
 Which process ended is known for sure, not guessed from who answers: each rank says in the
 job's store who it is (machine and process id) and, from a thread of its own, that it is still
 there (a count it raises every second). A rank that meets a broken collective looks: a process
-on its own machine has ended when its process id is gone; one on another machine, when its
-count has stopped. The first rank to know writes the answer in the store, and every other rank,
-still waiting inside a collective that will never finish, reads it there within a second (or
+that shares its view of process ids (the same boot of the same machine, the same PID
+namespace) has ended when its process id is gone and its count has stopped; any other, when
+its count has stopped for SILENT_SECONDS. Containers that share a host name (`docker run
+--network host`, Kubernetes' hostNetwork) each have a PID namespace of their own: there a
+process id means nothing to the other. The first rank to know writes the answer in the store,
+and every other rank, still waiting inside a collective that will never finish, reads it there within a second (or
 sees for itself a process of its own machine gone: on NCCL, where a lost peer raises nothing
 this process could catch, that is the only sign) and ends with the same paragraph.
 """
@@ -31,12 +34,17 @@ from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.distributed_utils import DistContext, lost_connection
 from multi_train_utils.preemption import TerminationRequest
 from multi_train_utils.run_folder import LAST, CheckpointWriteFailed
-from utils import ProjectError, UserError, stderr_line
+from utils import Preempted, ProjectError, TrainingDiverged, UserError, stderr_line
 
 # How often each rank says it is still there, and how long a silence on another machine takes
 # to count as an end (a rank whose thread the machine starves still speaks within it).
 BEAT_SECONDS = 1.0
 SILENT_SECONDS = 5.0
+# How long rank 0, where it hosts the store, waits after a fault for the others to read the cause.
+LINGER_SECONDS = 3.0
+# A count that moved this recently shows its process alive, whatever its process id says
+# (an id read in another PID namespace, or one the kernel gave to a new process).
+FRESH_SECONDS = 2.5 * BEAT_SECONDS
 # How long the watching thread leaves the main thread to end the process itself (a Ctrl-C that
 # reached every rank is being handled) before it ends a process that waits in a collective.
 GRACE_SECONDS = 2.0
@@ -76,10 +84,16 @@ def handling_sigterm_and_faults(output_dir: Path, ctx: DistContext) -> Iterator[
                 watch.failed(e)
             raise
         show_traceback(e)
+        if watch:
+            watch.keep_store_up()
         raise RunBroken(f"{cause}. {what_holds(output_dir, ctx)}") from None
-    except ProjectError:  # raised on every rank alike (a preemption, a NaN loss): no rank ended before the others
+    except (Preempted, TrainingDiverged):  # decided together (a collective): no rank ended before the others
         if watch:
             watch.finished()
+        raise
+    except ProjectError as e:  # maybe this rank's alone (a download, a file it cannot see): the others learn why
+        if watch:
+            watch.failed(e)
         raise
     except Exception as e:  # a bug, or a file that stopped decoding: this rank ends first, the others learn why
         if watch:
@@ -105,10 +119,12 @@ class FaultWatch:
         self.ending = threading.Lock()  # held by whichever of this rank's threads ends the process
         self.closed = threading.Event()
         self.here = socket.gethostname()
-        self.store.set(f"who/{ctx.rank}", f"{self.here} {os.getpid()}")
+        self.view = process_id_view()
+        self.store.set(f"who/{ctx.rank}", f"{self.view} {os.getpid()}")
         self.store.add(f"beat/{ctx.rank}", 1)
-        self.neighbours: dict[int, int] = {}  # the other ranks of this machine: their process ids
-        self.elsewhere: set[int] = set()  # the ranks of other machines
+        self.neighbours: dict[int, int] = {}  # the other ranks that share this view of process ids: their ids
+        self.elsewhere: set[int] = set()  # the ranks of other machines and PID namespaces
+        self.beats: dict[int, tuple[int, float]] = {}  # a neighbour's last count, and when it was seen to move
         threading.Thread(target=self._beat, name="fault watch", daemon=True).start()
 
     def _beat(self) -> None:
@@ -122,6 +138,9 @@ class FaultWatch:
                 return
             if found and not self.closed.wait(GRACE_SECONDS) and self.ending.acquire(blocking=False):
                 # This rank waits in a collective that cannot finish: end it from here.
+                with contextlib.suppress(Exception):
+                    self.store.set(f"stopping/{self.ctx.rank}", "1")
+                    self.keep_store_up()
                 stderr_line(f"error: rank {self.ctx.rank} on {self.here}: {found}; this one stops too. "
                             f"{what_holds(self.output_dir, self.ctx)}")
                 sys.stdout.flush()
@@ -134,13 +153,22 @@ class FaultWatch:
                    if r != self.ctx.rank and r not in self.neighbours and r not in self.elsewhere]
         for r in missing:
             if self.store.check([f"who/{r}"]):
-                machine, pid = self.store.get(f"who/{r}").decode().split()
-                if machine == self.here:
+                view, pid = self.store.get(f"who/{r}").decode().split()
+                if view == self.view:
                     self.neighbours[r] = int(pid)
                 else:
                     self.elsewhere.add(r)
-        gone = [r for r, pid in self.neighbours.items() if not alive(pid)]
+        gone = [r for r, pid in self.neighbours.items() if not self._beating(r) and not alive(pid)]
         return [r for r in gone if not self.store.check([f"finished/{r}"]) and not self.store.check([f"stopping/{r}"])]
+
+    def _beating(self, rank: int) -> bool:
+        """Whether `rank`'s count moved within FRESH_SECONDS (a rank is never named while it beats)."""
+        count, now = self.store.add(f"beat/{rank}", 0), time.monotonic()
+        last, moved = self.beats.get(rank, (None, now))
+        if count != last:
+            self.beats[rank] = (count, now)
+            return True
+        return now - moved < FRESH_SECONDS
 
     def _write_ended(self, ended: list[int]) -> str:
         """Write which ranks ended, unless a rank wrote it first; what the store then holds."""
@@ -168,11 +196,13 @@ class FaultWatch:
 
     def _ended(self) -> list[int]:
         """The ranks that ended, other than those that stop because of the fault."""
-        store, ctx, here = self.store, self.ctx, self.here
+        store, ctx = self.store, self.ctx
         others = [r for r in range(ctx.world_size) if r != ctx.rank]
         where = {r: store.get(f"who/{r}").decode().split() for r in others if store.check([f"who/{r}"])}
-        gone = [r for r in others if r in where and where[r][0] == here and not alive(int(where[r][1]))]
-        remote = [r for r in others if r in where and where[r][0] != here]
+        gone = [r for r in others if r in where and where[r][0] == self.view and not alive(int(where[r][1]))]
+        # Elsewhere, and here under a live process id (the kernel may have given a dead rank's id
+        # to a new process): ended when the count has stopped.
+        remote = [r for r in others if r in where and r not in gone]
         if remote:
             before = {r: store.add(f"beat/{r}", 0) for r in remote}
             until = time.monotonic() + SILENT_SECONDS
@@ -181,6 +211,21 @@ class FaultWatch:
                 remote = [r for r in remote if store.add(f"beat/{r}", 0) == before[r]]
             gone += remote
         return sorted(r for r in gone if not store.check([f"stopping/{r}"]) and not store.check([f"finished/{r}"]))
+
+    def keep_store_up(self) -> None:
+        """Where this process hosts the store (rank 0 under srun, and under torchrun's restarts):
+        before it leaves on a fault, wait until every other rank has read which process ended
+        (each says it stops), at most LINGER_SECONDS. Leaving at once, it would take the store
+        with it, and a rank that had yet to read the store would name rank 0 instead."""
+        if not (self.ctx.is_main and self.ctx.store_host == "rank 0"):
+            return
+        others = [r for r in range(self.ctx.world_size) if r != self.ctx.rank]
+        until = time.monotonic() + LINGER_SECONDS
+        with contextlib.suppress(RuntimeError):
+            while time.monotonic() < until and not all(
+                    self.store.check([f"stopping/{r}"]) or self.store.check([f"finished/{r}"])
+                    or (r in self.neighbours and not alive(self.neighbours[r])) for r in others):
+                time.sleep(0.1)
 
     def failed(self, error: BaseException) -> None:
         """This rank ends on an error of its own: written where the others, whose collective then
@@ -198,6 +243,17 @@ class FaultWatch:
 
     def close(self) -> None:
         self.closed.set()
+
+
+def process_id_view() -> str:
+    """What a process id of this process means: the machine's boot (its boot id, unique to one
+    boot of one machine, where host names may repeat) and this process's PID namespace."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid").removeprefix("pid:")
+    except OSError:  # not Linux: the host name is all there is
+        return socket.gethostname()
+    return f"{socket.gethostname()}/{boot}/{namespace}".replace(" ", "_")
 
 
 def alive(pid: int) -> bool:

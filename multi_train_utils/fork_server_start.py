@@ -3,7 +3,11 @@ nothing else: the server then ends the moment the training process that started 
 its children, the loader workers and plotters, with it (each of them asks for that of its own
 parent: die_with_parent). Without it, a training process that is SIGKILLed leaves the server
 and its workers running for ever: each worker holds the server's liveness pipe open, and
-torch's watchdog in a worker watches the worker's parent, which is the server."""
-from multi_train_utils.distributed_utils import die_with_parent
+torch's watchdog in a worker watches the worker's parent, which is the server.
+
+A SIGTERM sent to the whole job (SLURM, `kill -TERM -PGID`) is the training process's to act
+on: the server ignores it, or the next loader worker it should fork would fail the run."""
+from multi_train_utils.distributed_utils import die_with_parent, leave_sigterm_to
 
 die_with_parent()
+leave_sigterm_to(None)

@@ -54,7 +54,7 @@ class SharedImageCache:
         self.nbytes = int(self.offsets[-1])
         check_cache_room(self.nbytes, ctx)
         token = broadcast_object(secrets.token_hex(8) if ctx.is_main else None, ctx)
-        path = f"/dev/shm/imgcache-{token}-{ctx.rank - ctx.local_rank}"  # one per machine, even two "machines" on one
+        path = f"/dev/shm/imgcache-{token}-{machine_index(ctx)}"  # one per machine, even two "machines" on one
         creator = ctx.local_rank == 0
         if creator:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -124,3 +124,14 @@ def cache_problem(nbytes: int, shm_free: int, available: int) -> str | None:
 def memory_available() -> int:
     with open("/proc/meminfo") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def machine_index(ctx: DistContext) -> int:
+    """Which machine of the job this process is on: torchrun's GROUP_RANK or SLURM's
+    SLURM_NODEID; else the rank of the machine's local rank 0, as torchrun and srun's default
+    block layout number them (`srun --distribution=cyclic` deals the ranks out to the
+    machines in turn, and only SLURM_NODEID tells them apart)."""
+    for name in ("GROUP_RANK", "SLURM_NODEID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return ctx.rank - ctx.local_rank

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from multi_train_utils.distributed_utils import (
     broadcast_object,
     die_with_parent,
     keep_inherited_objects,
+    leave_sigterm_to,
     gather_objects,
     start_method,
 )
@@ -83,7 +85,7 @@ class RunData:
             batch_size=args.batch_size,
             num_workers=workers,
             persistent_workers=workers > 0,
-            worker_init_fn=start_worker,
+            worker_init_fn=functools.partial(start_worker, os.getpid()),
             pin_memory=ctx.device.type == "cuda",
             # A process started by mp.spawn would also spawn its loader workers, each re-importing
             # torch (seconds) and receiving a pickled copy of the dataset; forking, Linux's default
@@ -110,13 +112,16 @@ def build_datasets(plan: Plan, checkpoint: dict[str, Any] | None, ctx: DistConte
     checkpoint: the folder is not split again, whatever was added to it or removed since, and the
     files are not decoded again, only compared with their recorded size and time
     (recorded_files). Collectives: an all_gather of the unreadable files each rank found (a new
-    run) or a broadcast of rank 0's verdict on the recorded files (a resumed one); with --cache,
+    run) or, resumed, a broadcast of whether rank 0 sees the record, then of rank 0's verdict on
+    the recorded files (an all_gather where it has none); with --cache,
     a broadcast and barriers; with --device-augment, two all_reduces that fill in the pixels."""
     args = plan.args
     path = checkpoint["loaded_from"] if checkpoint is not None else None
     root, lost_files = args.data_path, False
     recorded = Path(path).parent / SPLIT_FILE if path and not args.eval_only else None
-    if recorded is None or not recorded.is_file():
+    # broadcast: rank 0's view of the folder decides which collective every rank makes next (a
+    # node-local copy of a run folder, or a lagging network file system, may show each rank another).
+    if recorded is None or not broadcast_object(recorded.is_file() if ctx.is_main else None, ctx):
         if recorded is not None:
             ctx.print0(f"warning: {recorded} does not exist (a run folder from before runs recorded their files): "
                        f"{args.data_path} is listed and split again, and files added or removed since the run "
@@ -178,8 +183,8 @@ def recorded_files(plan: Plan, record: RecordedSplit, source: Path) -> tuple[tup
                         f"them{moved_hint}")
     if bad:
         left_out = set(bad)
-        split = DataSplit(split.class_names, [s for s in split.train if s[0] not in left_out],
-                          [s for s in split.val if s[0] not in left_out])
+        split = dataclasses.replace(split, train=[s for s in split.train if s[0] not in left_out],
+                                    val=[s for s in split.val if s[0] not in left_out])
         lines.append(f"--drop-missing: left out {len(record.split.train) - len(split.train)} training and "
                      f"{len(record.split.val) - len(split.val)} validation image(s) that are gone or no longer decode")
     same_folder = os.path.abspath(root) == os.path.abspath(args.data_path)
@@ -195,7 +200,7 @@ def _moved(split: DataSplit, old_root: str, new_root: str) -> DataSplit:
     def move(samples: list[Sample]) -> list[Sample]:
         return [(os.path.join(new_root, os.path.relpath(p, old_root)), label) for p, label in samples]
 
-    return DataSplit(split.class_names, move(split.train), move(split.val))
+    return dataclasses.replace(split, train=move(split.train), val=move(split.val))
 
 
 def readable_split(plan: Plan, ctx: DistContext) -> DataSplit:
@@ -211,10 +216,12 @@ def readable_split(plan: Plan, ctx: DistContext) -> DataSplit:
     return split_samples(samples, plan.class_names, plan.args.val_rate, plan.args.seed)
 
 
-def start_worker(_worker_id: int) -> None:
-    """Set up a loader worker: it ends with its training process (sooner than PyTorch's
-    watchdog would notice), and drops no traceback about a handover cut short."""
+def start_worker(trainer: int, _worker_id: int) -> None:
+    """Set up a loader worker of the training process `trainer`: it ends with that process
+    (sooner than PyTorch's watchdog would notice), outlives a SIGTERM meant for the whole job,
+    and drops no traceback about a handover cut short."""
     die_with_parent()
+    leave_sigterm_to(trainer)  # in place of torch's handler, set before this runs
     keep_inherited_objects()
     sys.excepthook = quiet_dropped_handover(sys.excepthook)
 

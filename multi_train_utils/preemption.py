@@ -15,6 +15,21 @@ from multi_train_utils.run_folder import LAST, RunFiles
 from utils import Preempted
 
 
+def exit_75_on_sigterm() -> None:
+    """Outside training (from here until TerminationRequest takes over, and after a finished
+    run), a SIGTERM ends the process with 75, as a stop during training does: a scheduler that
+    preempts the job during its start-up then requeues it too, instead of seeing 143 (killed by
+    SIGTERM). Nothing of the run is lost: it goes on from its last checkpoint, if any, with
+    --resume auto."""
+    signal.signal(signal.SIGTERM, _raise_preempted)
+
+
+def _raise_preempted(signum: int, frame: object) -> NoReturn:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once is enough: the process is ending
+    raise Preempted("SIGTERM while the run was starting or ending, not training: this process ends here; with "
+                    "--resume auto the run goes on from its last checkpoint, if it has one")
+
+
 class TerminationRequest:
     """SIGTERM turned into a flag: the training loop reads it at its next check
     (train_eval_utils.CHECK_EVERY), and the ranks then stop together (save_position_and_exit).
@@ -29,8 +44,15 @@ class TerminationRequest:
         self._previous = signal.signal(signal.SIGTERM, self._note)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:
+            # Ending, its cause known (a stop with the position saved, or a fault it is naming):
+            # a later SIGTERM changes nothing. `srun --kill-on-bad-exit` sends one to every task
+            # still running once the first has exited non-zero: a stopped task that died of it
+            # would make srun report 143, not 75, and a failing one would lose its cause.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        else:
+            signal.signal(signal.SIGTERM, self._previous)
 
     def _note(self, signum: int, frame: object) -> None:
         self.received = True

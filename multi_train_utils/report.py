@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from multi_train_utils.checkpoint import load_checkpoint, shipped_weights
-from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, barrier, gather_objects
+from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, broadcast_object, gather_objects
 from multi_train_utils.loaders import RunData
 from multi_train_utils.plotter import Plotter
 from multi_train_utils.run_folder import BEST
@@ -106,8 +106,8 @@ def write_report(model: nn.Module, val_loader: DataLoader, data: RunData, output
                  checkpoint: dict[str, Any] | None = None) -> None:
     """report.json and confusion_matrix.csv. At the end of a run, for best.pth's weights, from
     the outputs its epoch's evaluation kept on each rank (`best`: that epoch and its Evaluation;
-    no second pass); when that epoch ran before a resume, best.pth is loaded, after a barrier
-    (rank 0 may still be writing it), and evaluated again. Under --eval-only, for `model` with
+    no second pass); when that epoch ran before a resume, best.pth is loaded, after a broadcast
+    of whether rank 0 sees it (rank 0 may still be writing it), and evaluated again. Under --eval-only, for `model` with
     the weights `checkpoint` ships (or --weights): evaluate_only. Collectives: an all_reduce of
     the counts and an all_gather of the mistakes (and evaluate_only's all_reduce)."""
     if args.eval_only:
@@ -128,9 +128,10 @@ def best_source(path: Path, epoch: int, better: str) -> str:
 
 def use_best_weights(output_dir: Path, model: nn.Module, ctx: DistContext) -> str:
     """Load best.pth's weights into `model` on every rank (the model a user ships); say which."""
-    barrier(ctx)  # rank 0 may still be writing it
     best = output_dir / BEST
-    if not best.is_file():
+    # broadcast (it waits for rank 0, which may still be writing the file): rank 0's view decides
+    # for every rank, which then all load the same weights (or none), whatever their own disk shows.
+    if not broadcast_object(best.is_file() if ctx.is_main else None, ctx):
         return "the final weights"
     checkpoint = load_checkpoint(best, mmap=True)
     model.load_state_dict(shipped_weights(checkpoint))

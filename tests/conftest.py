@@ -35,6 +35,9 @@ from utils import list_images  # noqa: E402
 # of the 120-image sample in about a second. The PNGs would take longer than that: the tests
 # that look at them ask for --plots.
 FAST = ["--img-size", "32", "--batch-size", "8", "--workers", "0", "--no-plots"]
+# The same with the default loader workers (CPUs per process - 1, at least one), which start
+# processes of their own: the configuration users run, for the tests of signals and faults.
+FAST_DEFAULT_WORKERS = [arg for arg in FAST if arg not in ("--workers", "0")]
 # For the tests of processes, signals and files, where the network is any network: ResNet18
 # (11.7M parameters, 90 MB checkpoints) trains an epoch twice as fast as ResNet34 (21.8M, 170
 # MB), and it still learns at a batch of 2, where the smallest torchvision models' BatchNorm
@@ -100,8 +103,8 @@ def run_cli(cmd: list[str], timeout: float = 180, env: dict[str, str] | None = N
 
 
 def train(launcher: str, out: Path, *extra: str, nproc: int = 1, data: Path = SAMPLE, timeout: float = 180,
-          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = launcher_cmd(launcher, nproc) + ["--data-path", str(data), "--output-dir", str(out), *FAST, *extra]
+          env: dict[str, str] | None = None, fast: list[str] = FAST) -> subprocess.CompletedProcess:
+    cmd = launcher_cmd(launcher, nproc) + ["--data-path", str(data), "--output-dir", str(out), *fast, *extra]
     return run_cli(cmd, timeout=timeout, env=env)
 
 
@@ -161,11 +164,13 @@ def check_png(path, min_width: int = 400, min_height: int = 300) -> np.ndarray:
 def call_main(main, argv: list[str]) -> None:
     """A script's main() in this process (no interpreter start-up), with `argv` as its command line."""
     old = sys.argv
+    sigterm = signal.getsignal(signal.SIGTERM)  # a launcher's main() sets its own, for a process it then ends
     sys.argv = ["prog", *argv]
     try:
         main()
     finally:
         sys.argv = old
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 def user_error(main, argv: list[str], capsys) -> str:

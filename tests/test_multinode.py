@@ -6,15 +6,17 @@ import datetime
 import math
 import os
 import secrets
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
 
 import pytest
 import torch.distributed as dist
-from conftest import (FAST, SAMPLE, SMALL_MODEL, child_pids, kill_group, launcher_cmd, metrics, processes_with_marker,
-                      start, start_job, wait_for_epochs, wait_until_gone)
+from conftest import (FAST, FAST_DEFAULT_WORKERS, SAMPLE, SMALL_MODEL, child_pids, kill_group, launcher_cmd, metrics,
+                      ok, processes_with_marker, start, start_job, train_here, wait_for_epochs, wait_until_gone)
 
 from multi_train_utils.attempt_store import POST, attempt_store
 from multi_train_utils.rendezvous import find_free_port, store_listening_on
@@ -39,19 +41,34 @@ def finish(procs, timeout: float = 240, marker: str | None = None) -> list:
     return results
 
 
-def test_slurm_environment(tmp_path):
+def test_slurm_environment_tasks_in_pid_namespaces_of_their_own_with_their_own_copies(tmp_path):
     """What `srun --ntasks=2` gives each task: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, plus
-    the MASTER_ADDR/MASTER_PORT that the sbatch script exports."""
+    the MASTER_ADDR/MASTER_PORT that the sbatch script exports. Rank 1 runs in a PID namespace
+    of its own, as containers that share a host name do (`docker run --network host`,
+    Kubernetes' hostNetwork): a process id of one means nothing to the other, and the fault
+    watch must name no healthy rank. Each resumes from its own copy of the run folder (a
+    node-local copy), and rank 1's lacks split.json: rank 0's view decides what every rank does."""
+    first, copy = tmp_path / "first", tmp_path / "copy"
+    ok(train_here(first, "--epochs", "1", *SMALL_MODEL))
+    shutil.copytree(first, copy)
+    (copy / "split.json").unlink()
+    own_namespace = ["unshare", "--pid", "--fork", "--mount-proc"]
+    if os.geteuid() != 0 or shutil.which("unshare") is None or subprocess.run(
+            [*own_namespace, "true"], capture_output=True).returncode != 0:
+        own_namespace = []  # the rest still runs; the namespace needs root and util-linux's unshare
     port = str(find_free_port())
     procs = []
-    for rank in (0, 1):
+    for rank, folder in ((0, first), (1, copy)):
         env = {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2", "SLURM_NNODES": "1",
                "SLURM_JOB_ID": "4242", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        cmd = [sys.executable, "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE),
-               "--output-dir", str(tmp_path), *FAST, "--epochs", "1"]
-        procs.append(start(cmd, env=env))
-    finish(procs)
-    assert [r["world_size"] for r in metrics(tmp_path)] == [2]
+        cmd = [sys.executable, "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE), "--output-dir",
+               str(folder), *FAST, *SMALL_MODEL, "--epochs", "3", "--resume", str(folder / "last.pth")]
+        procs.append(start((own_namespace if rank == 1 else []) + cmd, env=env))
+    results = finish(procs)
+    assert [r["world_size"] for r in metrics(first)] == [1, 2, 2]
+    assert "ended" not in results[0][2] + results[1][2]
+    if not own_namespace:
+        pytest.skip("ran without a PID namespace of its own for rank 1: unshare needs root here")
 
 
 def test_slurm_without_master_address_is_a_clear_error():
@@ -90,13 +107,13 @@ def test_a_checkpoint_moves_between_launchers_and_world_sizes(tmp_path):
 
 
 
-def agent(out, run_id: str, endpoint: str, nnodes: str, *extra: str) -> list[str]:
+def agent(out, run_id: str, endpoint: str, nnodes: str, *extra: str, fast: list[str] = FAST) -> list[str]:
     """One torchrun agent, as on a machine of its own, with one worker: an elastic job that
     goes on from last.pth after a restart."""
     return TORCHRUN + [f"--nnodes={nnodes}", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
                        f"--rdzv-id={run_id}", "--rdzv-conf=last_call_timeout=1", "--max-restarts=1",
                        "--monitor-interval=0.5",
-                       "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE), "--output-dir", str(out), *FAST,
+                       "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE), "--output-dir", str(out), *fast,
                        *SMALL_MODEL, "--resume", "auto", *extra]
 
 
@@ -131,16 +148,17 @@ def test_two_agents_restart_after_a_worker_on_one_of_them_dies(tmp_path):
 
 def test_a_second_agent_joining_restarts_the_job_with_both(tmp_path):
     """torchrun --nnodes=1:2: the job starts on one agent, and a second joins after epoch 1.
-    The first agent stops its worker (SIGTERM: it saves where it is), both restart as a job of
-    two without raising torchrun's restart count, and the run goes on from last.pth at the new
-    world size and finishes, each epoch logged once. (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
-    without it, torch's agents wait on each other after a node joins; docs/multi-node.md.)"""
+    The first agent stops its worker (SIGTERM to the worker alone: it saves where it is, its
+    default loader workers running), both restart as a job of two without raising torchrun's
+    restart count, and the run goes on from last.pth at the new world size and finishes, each
+    epoch logged once. (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it, torch's agents wait on
+    each other after a node joins; docs/multi-node.md.)"""
     endpoint = f"127.0.0.1:{find_free_port()}"
     marker = "joining-" + tmp_path.name
     env = {**ONE_THREAD, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TEST_JOB_MARKER": marker}
-    first = start(agent(tmp_path, marker, endpoint, "1:2", "--epochs", "4"), env=env)
+    first = start(agent(tmp_path, marker, endpoint, "1:2", "--epochs", "4", fast=FAST_DEFAULT_WORKERS), env=env)
     wait_for_epochs(first, tmp_path, 1)
-    second = start(agent(tmp_path, marker, endpoint, "1:2", "--epochs", "4"), env=env)
+    second = start(agent(tmp_path, marker, endpoint, "1:2", "--epochs", "4", fast=FAST_DEFAULT_WORKERS), env=env)
     results = finish([first, second], marker=marker)
     records = metrics(tmp_path)
     assert [r["epoch"] for r in records] == [1, 2, 3, 4]

@@ -1,0 +1,144 @@
+"""The batch script of docs/multi-node.md under a real SLURM (tests/slurm_cluster.py), fitted to
+one node of 4 CPU tasks and run with the default loader workers: a SIGTERM stops every task
+after the same step and the job requeues itself and ends after its last epoch; a task killed
+ends the job, every other task naming it. Skipped, with the reason, where SLURM cannot start."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, SAMPLE, SMALL_MODEL, metrics
+from slurm_cluster import start_cluster
+
+from multi_train_utils.checkpoint import load_checkpoint
+
+TASKS = 4
+# The tasks' options past the script's own: small and quick, 3 steps of 8 images per task and epoch.
+SMALL = ["--img-size", "32", "--batch-size", "8", "--no-plots", *SMALL_MODEL]
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Not under pytest's temporary folders, which only their owner may enter: munged runs as munge.
+    folder = Path(tempfile.mkdtemp(prefix="slurm-"))
+    folder.chmod(0o755)
+    try:
+        cluster, reason = start_cluster(folder / "cluster")
+        if cluster is None:
+            pytest.skip(reason)
+        yield cluster
+        cluster.stop()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def batch_script(runs: Path, epochs: int) -> str:
+    """The sbatch script of docs/multi-node.md, fitted to this machine: one node, no GPUs, one
+    CPU per task (the default loader workers: one per task), this interpreter, the bundled
+    sample and small sizes."""
+    text = (REPO / "docs" / "multi-node.md").read_text()
+    script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH --job-name=flowers.*?)```", text, re.S).group(1)
+    fitted = (script.replace("--nodes=2", "--nodes=1")
+              .replace("--ntasks-per-node=4", f"--ntasks-per-node={TASKS}")
+              .replace("--cpus-per-task=8", "--cpus-per-task=1")
+              .replace(" python ", f" {sys.executable} ")
+              .replace("--data-path DATA", f"--data-path {SAMPLE}")
+              .replace("RUNS/", f"{runs}/")
+              .replace("--dist-timeout 300", f"--dist-timeout 300 --epochs {epochs} {' '.join(SMALL)}"))
+    fitted = "\n".join(line for line in fitted.splitlines() if "--gpus-per-node" not in line) + "\n"
+    assert fitted.count(str(SAMPLE)) == 1 and f"--epochs {epochs}" in fitted, fitted
+    return fitted
+
+
+def submit(cluster, tmp_path: Path, epochs: int) -> tuple[str, Path, Path]:
+    """The job's id, its run folder and its output file."""
+    script = tmp_path / "flowers.sbatch"
+    script.write_text(batch_script(tmp_path, epochs))
+    job = cluster.run("sbatch", "--parsable", f"--chdir={REPO}", f"--output={tmp_path}/slurm-%j.out",
+                      str(script)).stdout.strip().split(";")[0]
+    return job, tmp_path / f"flowers-{job}", tmp_path / f"slurm-{job}.out"
+
+
+def wait_for(cluster, job: str, output: Path, done, what: str, timeout: float = 300) -> dict[str, str]:
+    """Poll the job until `done(fields)`; its `scontrol show job` fields."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fields = cluster.job(job)
+        if done(fields):
+            return fields
+        if time.monotonic() > deadline or (fields["JobState"] in FINAL_STATES and not done(fields)):
+            text = output.read_text()[-5000:] if output.exists() else "(no output)"
+            raise AssertionError(f"job {job}: {what} not reached; {fields.get('JobState')}, "
+                                 f"restarts {fields.get('Restarts')}:\n{text}")
+        time.sleep(0.5)
+
+
+def epochs_logged(run: Path) -> int:
+    return len(metrics(run)) if (run / "metrics.jsonl").exists() else 0
+
+
+@pytest.mark.slow
+def test_a_sigterm_requeues_the_job_which_ends_after_its_last_epoch(cluster, tmp_path):
+    job, run, output = submit(cluster, tmp_path, epochs=2)
+    wait_for(cluster, job, output, lambda f: epochs_logged(run) >= 1, "epoch 1")
+    # What --signal=TERM@N and a preemption send: SIGTERM to every process of the job step.
+    cluster.run("scancel", "--signal=TERM", job)
+    wait_for(cluster, job, output, lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1", "the requeue")
+    # SLURM holds a requeued job back for a while (Reason=BeginTime): let it start now.
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    fields = wait_for(cluster, job, output, lambda f: f["JobState"] == "COMPLETED", "the end")
+    log = output.read_text()
+    assert int(fields["Restarts"]) == 1, log[-4000:]
+    stops = re.findall(r"stopped: SIGTERM: every process stopped after step (\d+) of epoch (\d+)", log)
+    assert len(stops) == TASKS and len(set(stops)) == 1, log[-4000:]  # every task, after the same step
+    step, epoch = map(int, stops[0])
+    assert epoch == 2, log[-4000:]
+    assert not [line for line in log.splitlines() if line.startswith("error:")], log[-4000:]  # srun's own are "srun: error:"
+    assert f"goes on after step {step}" in log, log[-4000:]
+    assert [m["epoch"] for m in metrics(run)] == [1, 2]  # each epoch logged once
+    assert load_checkpoint(run / "last.pth")["epoch"] == 2
+
+
+@pytest.mark.slow
+def test_a_killed_task_ends_the_job_and_every_other_task_names_it(cluster, tmp_path):
+    job, run, output = submit(cluster, tmp_path, epochs=30)
+    wait_for(cluster, job, output, lambda f: epochs_logged(run) >= 1, "epoch 1")
+    victim = task_pid(job, rank=2)
+    os.kill(victim, signal.SIGKILL)
+    fields = wait_for(cluster, job, output, lambda f: f["JobState"] in FINAL_STATES, "the end", timeout=120)
+    log = output.read_text()
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0", (fields, log[-4000:])
+    for rank in (0, 1, 3):
+        named = [line for line in log.splitlines() if line.startswith(f"error: rank {rank} on ") and "rank 2 ended" in line]
+        assert named, (rank, log[-4000:])
+    assert "holds epoch" in log  # rank 0 says where the run goes on from
+    assert load_checkpoint(run / "last.pth")["epoch"] >= 1
+
+
+def task_pid(job: str, rank: int) -> int:
+    """The training process of task `rank` of `job`: the process whose environment holds that
+    job and rank, and whose parent does not (a loader worker's or fork server's parent does)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = dict(v.split(b"=", 1) for v in (entry / "environ").read_bytes().split(b"\0") if b"=" in v)
+            cmdline = (entry / "cmdline").read_bytes()
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if (env.get(b"SLURM_JOB_ID") == job.encode() and env.get(b"SLURM_PROCID") == str(rank).encode()
+                and b"train_multi_gpu_using_launch.py" in cmdline):
+            found[int(entry.name)] = parent
+    pids = [pid for pid, parent in found.items() if parent not in found]
+    assert len(pids) == 1, found
+    return pids[0]
