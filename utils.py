@@ -221,6 +221,51 @@ def list_images(root: str, num_classes: int | None = None,
     return class_names, [(file, label) for label, name in enumerate(class_names) for file in files[name]]
 
 
+TRAIN_FOLDER, VAL_FOLDERS = "train", ("val", "valid", "validation")
+
+
+def given_split(root: str) -> tuple[Path, Path] | None:
+    """`root`'s train/ and val/ (or valid/, validation/) folders, where it is split already, as
+    torchvision's references, ImageNet and Imagenette lay their data out; None for a folder of
+    class folders. A train or val folder beside class folders is an error that says what to do."""
+    path = Path(root)
+    if not path.is_dir():
+        return None
+    folders = {d.name: d for d in path.iterdir() if d.is_dir() and not d.name.startswith(".")}
+    vals = [folders[name] for name in VAL_FOLDERS if name in folders]
+    split_names = [name for name in (TRAIN_FOLDER, *VAL_FOLDERS) if name in folders]
+    others = sorted(set(folders) - set(split_names) - {"test"})
+    if not split_names:
+        return None
+    if others or TRAIN_FOLDER not in folders or len(vals) != 1:
+        found = ", ".join(f"{name}/" for name in split_names)
+        raise UserError(
+            f"{root!r} holds {found}" + (f" beside class folders ({', '.join(others[:5])})" if others else "")
+            + ": give --data-path either a folder of class folders (one per class), or a folder split already, "
+            "holding train/ and one of val/, valid/, validation/, each with the same class folders; rename a "
+            "class that is really called so"
+        )
+    return folders[TRAIN_FOLDER], vals[0]
+
+
+def list_given_split(train: Path, val: Path, num_classes: int | None = None,
+                     log: Callable[[str], None] = print) -> tuple[list[str], list[Sample], frozenset[str]]:
+    """The classes and images of a folder split already (given_split): the training images,
+    then the validation images, and the set of the latter's paths."""
+    train_classes, train_samples = list_images(str(train), num_classes, log)
+    val_classes, val_samples = list_images(str(val), num_classes, log)
+    if train_classes != val_classes:
+        only_train, only_val = sorted(set(train_classes) - set(val_classes)), sorted(set(val_classes) - set(train_classes))
+        raise UserError(
+            f"{train} and {val} hold different classes (only in {train.name}/: {', '.join(only_train) or 'none'}; "
+            f"only in {val.name}/: {', '.join(only_val) or 'none'}): give both the same class folders, each with "
+            "images"
+        )
+    log(f"{train.parent} is split already: {len(train_samples)} images in {train.name}/ for training, "
+        f"{len(val_samples)} in {val.name}/ for validation (--val-rate is not used)")
+    return train_classes, train_samples + val_samples, frozenset(p for p, _ in val_samples)
+
+
 def _decode_error(path: str) -> str | None:
     try:
         with warnings.catch_warnings():
@@ -255,6 +300,7 @@ class DataSplit:
     class_names: list[str]
     train: list[Sample]
     val: list[Sample]
+    given: bool = False  # the data folder's own train/ and val/, not --val-rate's draw
 
 
 def split_samples(samples: list[Sample], class_names: list[str], val_rate: float, seed: int) -> DataSplit:
@@ -292,7 +338,7 @@ def save_split(split: DataSplit, path: Path, data_path: str) -> None:
     """split.json: the run's classes and files, the folder they were listed from, and each
     file's stamp (a resumed run trains on exactly these, and checks them by their stamps)."""
     write_json(path, {"class_names": split.class_names, "train": split.train, "val": split.val,
-                      "data_path": os.path.abspath(data_path),
+                      "split_by": "folders" if split.given else "val_rate", "data_path": os.path.abspath(data_path),
                       "stamps": [file_stamp(p) for p, _ in split.train + split.val]})
 
 
@@ -301,7 +347,8 @@ def load_split(path: Path) -> DataSplit:
 
 
 def _split_of(obj: dict[str, Any]) -> DataSplit:
-    return DataSplit(obj["class_names"], [(p, int(c)) for p, c in obj["train"]], [(p, int(c)) for p, c in obj["val"]])
+    return DataSplit(obj["class_names"], [(p, int(c)) for p, c in obj["train"]], [(p, int(c)) for p, c in obj["val"]],
+                     obj.get("split_by") == "folders")
 
 
 @dataclasses.dataclass(frozen=True)

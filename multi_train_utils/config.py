@@ -19,7 +19,7 @@ from multi_train_utils.distributed_utils import parse_device, resolve_device
 from multi_train_utils.rendezvous import Rendezvous, env_ranks, parse_dist_url
 from model import DEFAULT_MODEL, check_model_name
 from my_dataset import AUTO_AUGMENT, CROP_SCALE
-from utils import Sample, UserError, download_flower_photos, list_images
+from utils import Sample, UserError, download_flower_photos, given_split, list_given_split, list_images
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -60,9 +60,12 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     spawn) has, with the original scripts' spellings in a group of their own."""
     p = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
     data = p.add_argument_group("data")
-    data.add_argument("--data-path", default="dataset/flower_photos", help="one sub-folder of images per class")
+    data.add_argument("--data-path", default="dataset/flower_photos",
+                      help="one sub-folder of images per class; or train/ and val/, each with the same class folders "
+                           "(the split as given)")
     data.add_argument("--download", action=BoolFlag, help="fetch flower_photos.tgz into --data-path when it is missing")
-    data.add_argument("--val-rate", type=float, default=0.2, help="share of each class held out for validation")
+    data.add_argument("--val-rate", type=float, default=0.2,
+                      help="share of each class held out for validation (unused where --data-path holds train/ and val/)")
     data.add_argument("--num-classes", type=int, default=None,
                       help="number of classes; inferred from the folders, and checked against them when given")
     data.add_argument("--img-size", type=int, default=224, help="training crop; validation resizes to img/0.875 and crops")
@@ -220,6 +223,7 @@ class Plan:
     samples: list[Sample]
     world_size: int = 1
     rendezvous: Rendezvous | None = None  # torchrun's or srun's ranks (the torchrun launcher); None: no job yet
+    val_files: frozenset[str] | None = None  # a folder split already: its val/ images; None: --val-rate draws them
 
 
 def read_command_line(launcher: str, description: str) -> Plan:
@@ -254,14 +258,18 @@ def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Pl
     if args.download and not Path(args.data_path).is_dir():
         # torchrun starts every process at once; a file lock inside lets one of them download.
         download_flower_photos(args.data_path, log=log)
-    class_names, samples = list_images(args.data_path, args.num_classes, log=log)
+    val_files = None
+    if folders := given_split(args.data_path):  # train/ and val/: the split is the folder's own
+        class_names, samples, val_files = list_given_split(*folders, args.num_classes, log=log)
+    else:
+        class_names, samples = list_images(args.data_path, args.num_classes, log=log)
     if launcher == "launch" and (rdzv is None or rdzv.rank == 0) and parse_dist_url(args.dist_url):
         where = (f"the one torchrun or srun set, {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if rdzv
                  else "not needed for one process")
         print(f"--dist-url {args.dist_url} is not used: the rendezvous is {where}")
     if launcher == "launch" and rdzv is None and not args.check:
         print("not started by torchrun or srun: training in one process")
-    return Plan(args, launcher, class_names, samples, world_size, rdzv)
+    return Plan(args, launcher, class_names, samples, world_size, rdzv, val_files)
 
 
 def check_options(args: argparse.Namespace) -> None:

@@ -145,6 +145,7 @@ def split_summary(split: DataSplit) -> str:
     return (
         f"{len(split.train) + len(split.val)} images in {len(split.class_names)} classes "
         f"({', '.join(split.class_names)}): {len(split.train)} for training, {len(split.val)} for validation"
+        + (" (the folder's own split)" if split.given else "")
     )
 
 
@@ -213,6 +214,9 @@ def readable_split(plan: Plan, ctx: DistContext) -> DataSplit:
     for path, reason in sorted(unreadable.items()):
         ctx.print0(f"warning: leaving out {path}: {reason}")
     samples = drop_unreadable(plan.samples, plan.class_names, unreadable)
+    if plan.val_files is not None:  # the folder's own train/ and val/
+        return DataSplit(plan.class_names, [s for s in samples if s[0] not in plan.val_files],
+                         [s for s in samples if s[0] in plan.val_files], given=True)
     return split_samples(samples, plan.class_names, plan.args.val_rate, plan.args.seed)
 
 
