@@ -8,8 +8,9 @@ Which process ended is known for sure, not guessed from who answers: each rank s
 job's store who it is (machine and process id) and, from a thread of its own, that it is still
 there (a count it raises every second). A rank that meets a broken collective looks: a process
 that shares its view of process ids (the same boot of the same machine, the same PID
-namespace) has ended when its process id is gone and its count has stopped; any other, when
-its count has stopped for SILENT_SECONDS. Containers that share a host name (`docker run
+namespace) has ended when its process id is gone or owned by a process that started at
+another time, and its count has stopped; any other, when its count has stopped for
+SILENT_SECONDS. Containers that share a host name (`docker run
 --network host`, Kubernetes' hostNetwork) each have a PID namespace of their own: there a
 process id means nothing to the other. The first rank to know writes the answer in the store,
 and every other rank, still waiting inside a collective that will never finish, reads it there within a second (or
@@ -120,9 +121,9 @@ class FaultWatch:
         self.closed = threading.Event()
         self.here = socket.gethostname()
         self.view = process_id_view()
-        self.store.set(f"who/{ctx.rank}", f"{self.view} {os.getpid()}")
+        self.store.set(f"who/{ctx.rank}", f"{self.view} {os.getpid()} {started_at(os.getpid())}")
         self.store.add(f"beat/{ctx.rank}", 1)
-        self.neighbours: dict[int, int] = {}  # the other ranks that share this view of process ids: their ids
+        self.neighbours: dict[int, tuple[int, str]] = {}  # the ranks sharing this view of process ids: id, start
         self.elsewhere: set[int] = set()  # the ranks of other machines and PID namespaces
         self.beats: dict[int, tuple[int, float]] = {}  # a neighbour's last count, and when it was seen to move
         threading.Thread(target=self._beat, name="fault watch", daemon=True).start()
@@ -153,12 +154,12 @@ class FaultWatch:
                    if r != self.ctx.rank and r not in self.neighbours and r not in self.elsewhere]
         for r in missing:
             if self.store.check([f"who/{r}"]):
-                view, pid = self.store.get(f"who/{r}").decode().split()
+                view, pid, start = self.store.get(f"who/{r}").decode().split()
                 if view == self.view:
-                    self.neighbours[r] = int(pid)
+                    self.neighbours[r] = int(pid), start
                 else:
                     self.elsewhere.add(r)
-        gone = [r for r, pid in self.neighbours.items() if not self._beating(r) and not alive(pid)]
+        gone = [r for r, (pid, start) in self.neighbours.items() if not self._beating(r) and not alive(pid, start)]
         return [r for r in gone if not self.store.check([f"finished/{r}"]) and not self.store.check([f"stopping/{r}"])]
 
     def _beating(self, rank: int) -> bool:
@@ -199,10 +200,8 @@ class FaultWatch:
         store, ctx = self.store, self.ctx
         others = [r for r in range(ctx.world_size) if r != ctx.rank]
         where = {r: store.get(f"who/{r}").decode().split() for r in others if store.check([f"who/{r}"])}
-        gone = [r for r in others if r in where and where[r][0] == self.view and not alive(int(where[r][1]))]
-        # Elsewhere, and here under a live process id (the kernel may have given a dead rank's id
-        # to a new process): ended when the count has stopped.
-        remote = [r for r in others if r in where and r not in gone]
+        gone = [r for r in others if r in where and where[r][0] == self.view and not alive(int(where[r][1]), where[r][2])]
+        remote = [r for r in others if r in where and where[r][0] != self.view]
         if remote:
             before = {r: store.add(f"beat/{r}", 0) for r in remote}
             until = time.monotonic() + SILENT_SECONDS
@@ -224,7 +223,7 @@ class FaultWatch:
         with contextlib.suppress(RuntimeError):
             while time.monotonic() < until and not all(
                     self.store.check([f"stopping/{r}"]) or self.store.check([f"finished/{r}"])
-                    or (r in self.neighbours and not alive(self.neighbours[r])) for r in others):
+                    or (r in self.neighbours and not alive(*self.neighbours[r])) for r in others):
                 time.sleep(0.1)
 
     def failed(self, error: BaseException) -> None:
@@ -256,11 +255,24 @@ def process_id_view() -> str:
     return f"{socket.gethostname()}/{boot}/{namespace}".replace(" ", "_")
 
 
-def alive(pid: int) -> bool:
-    """Whether the process `pid` of this machine runs (a zombie has ended)."""
+def started_at(pid: int) -> str:
+    """When the process `pid` started, in clock ticks since the machine booted (/proc's
+    starttime): with its id, it names one process, where an id alone may be given to a new
+    process once its first owner has ended. "-" where /proc cannot say."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "-"
+
+
+def alive(pid: int, start: str = "-") -> bool:
+    """Whether the process `pid` of this machine runs (a zombie has ended), and is still the
+    one that started at `start` (started_at), not a new owner of its id."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0] != "Z" and start in ("-", fields[19])
     except (OSError, IndexError):
         try:
             os.kill(pid, 0)

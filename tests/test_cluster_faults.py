@@ -23,7 +23,7 @@ from conftest import REPO
 from multi_train_utils import check, faults
 from multi_train_utils.checkpoint import save_atomic
 from multi_train_utils.distributed_utils import DistContext, init_distributed, resolve_device, start_method
-from multi_train_utils.faults import FaultWatch, handling_sigterm_and_faults, process_id_view
+from multi_train_utils.faults import FaultWatch, handling_sigterm_and_faults, process_id_view, started_at
 from multi_train_utils.image_cache import machine_index
 from multi_train_utils.loaders import start_worker
 from multi_train_utils.rendezvous import Rendezvous, find_free_port
@@ -62,7 +62,7 @@ def test_a_rank_under_another_pid_namespace_is_judged_by_its_count(tmp_path, mon
     store = job_store()
     watch = FaultWatch(tmp_path, rank_of_two(0, store))
     try:
-        store.set("who/1", f"{process_id_view()}-elsewhere 1")
+        store.set("who/1", f"{process_id_view()}-elsewhere 1 -")
         beating = threading.Event()
 
         def beat() -> None:
@@ -81,11 +81,12 @@ def test_a_rank_under_another_pid_namespace_is_judged_by_its_count(tmp_path, mon
 def test_a_neighbour_is_named_only_once_its_process_is_gone_and_its_count_has_stopped(tmp_path, monkeypatch):
     """A neighbour whose process id is gone from this machine's /proc but whose count still
     moves is not named; once the count stops, the watch names it. And the converse: a process
-    id that lives on (the kernel gave it to a new process) hides no rank whose count stopped."""
+    id that lives on (the kernel gave it to a new process) hides no rank: the id's process
+    started at another time."""
     monkeypatch.setattr(faults, "SILENT_SECONDS", 1.0)
     monkeypatch.setattr(faults, "GRACE_SECONDS", 60.0)  # the watch would end this process: closed first
     store = job_store()
-    store.set("who/1", f"{process_id_view()} 999999999")  # no such process here
+    store.set("who/1", f"{process_id_view()} 999999999 -")  # no such process here
     beating = threading.Event()
 
     def beat() -> None:
@@ -106,11 +107,15 @@ def test_a_neighbour_is_named_only_once_its_process_is_gone_and_its_count_has_st
         watch.close()
 
     store = job_store()
-    store.set("who/1", f"{process_id_view()} {os.getpid()}")  # alive: this very process
+    # Rank 1's id now belongs to another process (this one, which started at another time).
+    store.set("who/1", f"{process_id_view()} {os.getpid()} 1")
     store.add("beat/1", 1)
     watch = FaultWatch(tmp_path, rank_of_two(0, store))
     try:
         assert watch._ended() == [1]
+        store.set("who/1", f"{process_id_view()} {os.getpid()} {started_at(os.getpid())}")  # the same process
+        watch.neighbours.clear()
+        assert watch._ended() == [] and watch._neighbours_gone() == []
     finally:
         watch.close()
 
