@@ -234,7 +234,8 @@ def start_method(ctx: DistContext) -> multiprocessing.context.BaseContext:
     a fork that catches one of them holding CPython's runtime lock leaves a child that waits for
     it forever, before it runs a line: CPython before 3.11.10 (and 3.12.0), python/cpython#112275.
     Its training process then waits for batches that never come. There the helpers are forked
-    from a fork server instead, a process without threads that imports torch once."""
+    from a fork server instead, a process without threads that imports torch once. Elsewhere
+    they are forked with SIGTERM blocked (leave_sigterm_to says why)."""
     fixed = sys.version_info >= (3, 12, 1) or (3, 11, 10) <= sys.version_info < (3, 12)
     if fixed or not (ctx.distributed or ctx.device.type == "cuda"):
         return ForkWithSigtermBlocked()

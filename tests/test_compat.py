@@ -61,9 +61,10 @@ def test_original_command_lines_train(kind, tmp_path):
 
 @pytest.mark.slow
 def test_world_size_that_torchrun_contradicts_is_an_error_on_every_rank(tmp_path):
-    # torchrun ends the other worker once it sees one fail; looking every 5 s instead of every
-    # 0.1 s lets a worker that started late (a loaded machine) print its own line first.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "--monitor-interval=5",
+    # torchrun ends the other worker once it sees one fail; looking every 10 s instead of every
+    # 0.1 s lets a worker that started late (a loaded machine: 5 s was once too little on 2 Zen 3
+    # cores) print its own line first.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "--monitor-interval=10",
            "train_multi_gpu_using_launch.py", "--world-size", "4", "--data-path", str(SAMPLE),
            "--output-dir", str(tmp_path), *OURS_HERE]
     result = run_cli(cmd, timeout=120)
