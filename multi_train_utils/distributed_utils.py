@@ -20,7 +20,6 @@ import secrets
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,6 +30,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import Sampler
 
 from multi_train_utils import attempt_store
+from multi_train_utils.helper_signals import ForkWithSigtermBlocked
 from multi_train_utils.rendezvous import (
     CHECK_ADVICE,
     JOIN_REPORT_SECONDS,
@@ -235,7 +235,7 @@ def start_method(ctx: DistContext) -> multiprocessing.context.BaseContext:
     it forever, before it runs a line: CPython before 3.11.10 (and 3.12.0), python/cpython#112275.
     Its training process then waits for batches that never come. There the helpers are forked
     from a fork server instead, a process without threads that imports torch once. Elsewhere
-    they are forked with SIGTERM blocked (leave_sigterm_to says why)."""
+    they are forked with SIGTERM blocked (helper_signals.py says why)."""
     fixed = sys.version_info >= (3, 12, 1) or (3, 11, 10) <= sys.version_info < (3, 12)
     if fixed or not (ctx.distributed or ctx.device.type == "cuda"):
         return ForkWithSigtermBlocked()
@@ -252,48 +252,6 @@ def die_with_parent() -> None:
     open after the launcher has gone."""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-
-
-class ForkedWithSigtermBlocked(multiprocessing.context.ForkProcess):
-    """A forked helper whose threads, all made after the fork, start with SIGTERM blocked: the
-    signal then reaches only the thread of leave_sigterm_to's, never a handler of torch's in a
-    thread the helper made before that ran (the fork server's children inherit its mask)."""
-
-    def start(self) -> None:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        try:
-            super().start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-class ForkWithSigtermBlocked(multiprocessing.context.ForkContext):
-    Process = ForkedWithSigtermBlocked
-
-
-def leave_sigterm_to(trainer: int | None) -> None:
-    """In a helper process (a loader worker, a plotter, the fork server) of the training process
-    `trainer`: a SIGTERM from that process ends this one, as torch's DataLoader and
-    multiprocessing end their children; a SIGTERM from anyone else is left to the training
-    process. SLURM's slurmstepd, `docker stop` with an init and `kill -TERM -PGID` signal every
-    process of the job, helpers included; the training process turns it into a stop at the next
-    step and a saved position (preemption.py), and needs its helpers until then: a loader
-    worker dies of a SIGTERM its parent did not send (torch's handler), and the run would fail
-    on the dead worker instead. The signal stays blocked (from the fork on: start_method), and
-    a thread of this process's own takes it with sigwaitinfo, which tells who sent it (a
-    handler is not told). `trainer` None: every SIGTERM is left alone (the fork server, which
-    ends with the training process in any case, and whose children inherit the blocked signal)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a thread that does not block it drops it
-    if trainer is None or not hasattr(signal, "sigwaitinfo"):  # sigwaitinfo: Linux and most Unixes, not macOS
-        return
-
-    def wait_for_the_trainers_sigterm() -> None:
-        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != trainer:
-            pass
-        os._exit(0)
-
-    threading.Thread(target=wait_for_the_trainers_sigterm, name="sigterm", daemon=True).start()
 
 
 def keep_inherited_objects() -> None:

@@ -7,7 +7,8 @@ torch's watchdog in a worker watches the worker's parent, which is the server.
 
 A SIGTERM sent to the whole job (SLURM, `kill -TERM -PGID`) is the training process's to act
 on: the server ignores it, or the next loader worker it should fork would fail the run."""
-from multi_train_utils.distributed_utils import die_with_parent, leave_sigterm_to
+from multi_train_utils.distributed_utils import die_with_parent
+from multi_train_utils.helper_signals import leave_sigterm_to
 
 die_with_parent()
 leave_sigterm_to(None)

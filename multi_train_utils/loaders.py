@@ -23,10 +23,10 @@ from multi_train_utils.distributed_utils import (
     broadcast_object,
     die_with_parent,
     keep_inherited_objects,
-    leave_sigterm_to,
     gather_objects,
     start_method,
 )
+from multi_train_utils.helper_signals import leave_sigterm_to
 from multi_train_utils.gpu_decode import DeviceBatches, validation_on_device
 from multi_train_utils.image_cache import shared_cache
 from multi_train_utils.recalibrate import BatchNormRecalibration, recalibration

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from multi_train_utils.distributed_utils import die_with_parent, keep_inherited_objects, leave_sigterm_to
+from multi_train_utils.distributed_utils import die_with_parent, keep_inherited_objects
+from multi_train_utils.helper_signals import leave_sigterm_to
 from plots import figure_class, save_curves, save_data_plots, save_report_plots
 from utils import stderr_line
 

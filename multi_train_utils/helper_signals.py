@@ -1,0 +1,51 @@
+"""SIGTERM in the helper processes of a training process (loader workers, plotters, the fork
+server): SLURM's slurmstepd, `docker stop` with an init and `kill -TERM -PGID` signal every
+process of a job, and the training process alone acts on it (preemption.py)."""
+from __future__ import annotations
+
+import multiprocessing.context
+import os
+import signal
+import threading
+
+
+class ForkedWithSigtermBlocked(multiprocessing.context.ForkProcess):
+    """A forked helper whose threads, all made after the fork, start with SIGTERM blocked: the
+    signal then reaches only the thread of leave_sigterm_to's, never a handler of torch's in a
+    thread the helper made before that ran (the fork server's children inherit its mask)."""
+
+    def start(self) -> None:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class ForkWithSigtermBlocked(multiprocessing.context.ForkContext):
+    Process = ForkedWithSigtermBlocked
+
+
+def leave_sigterm_to(trainer: int | None) -> None:
+    """In a helper process (a loader worker, a plotter, the fork server) of the training process
+    `trainer`: a SIGTERM from that process ends this one, as torch's DataLoader and
+    multiprocessing end their children; a SIGTERM from anyone else is left to the training
+    process. SLURM's slurmstepd, `docker stop` with an init and `kill -TERM -PGID` signal every
+    process of the job, helpers included; the training process turns it into a stop at the next
+    step and a saved position (preemption.py), and needs its helpers until then: a loader
+    worker dies of a SIGTERM its parent did not send (torch's handler), and the run would fail
+    on the dead worker instead. The signal stays blocked (from the fork on: start_method), and
+    a thread of this process's own takes it with sigwaitinfo, which tells who sent it (a
+    handler is not told). `trainer` None: every SIGTERM is left alone (the fork server, which
+    ends with the training process in any case, and whose children inherit the blocked signal)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a thread that does not block it drops it
+    if trainer is None or not hasattr(signal, "sigwaitinfo"):  # sigwaitinfo: Linux and most Unixes, not macOS
+        return
+
+    def wait_for_the_trainers_sigterm() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != trainer:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=wait_for_the_trainers_sigterm, name="sigterm", daemon=True).start()
