@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements and checks of docs/performance.md and docs/troubleshooting.md, as run on a
-# lent GPU machine in two calls of about seven minutes (`bash benchmarks/gpu_session.sh 1`, then `... 2`): each step is
-# cut by its own time limit, so that a call ends inside its lease, and each writes its result
-# under $OUT as it finishes. DATA: the 800-photo development folder.
+# lent GPU machine in calls of under ten minutes (`bash benchmarks/gpu_session.sh 1`, then `... 2`
+# in the first loan; `3`, then `4`, in the second): each step is cut by its own time limit, so that
+# a call ends inside its lease, and each writes its result under $OUT as it finishes (parts 3 and 4:
+# the JSON results in $OUT/results.tar, refreshed after every step). DATA: the 800-photo
+# development folder.
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 DATA=${DATA:-.gpudata/flower_photos_dev}
@@ -75,4 +77,54 @@ if [ "$1" = 2 ]; then
     step "NCCL: two processes on the one GPU"
     timeout 60 torchrun --nproc_per_node=2 train_multi_gpu_using_launch.py --data-path "$DATA" --epochs 1 \
         --img-size 64 --output-dir /tmp/two 2>&1 | tail -12
+fi
+
+# Part 3: where the graphed step's time goes, the larger batches, the whole job with the best options.
+R=/tmp/gpu-results
+keep() { mkdir -p "$R"; tar -cf "$OUT/results.tar" -C "$R" . ; }
+if [ "$1" = 3 ]; then
+    mkdir -p "$R"
+    step "machine"
+    { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+      $PY -c "import sys, torch, torchvision; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda',
+torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'nccl', torch.cuda.nccl.version(), 'torchvision',
+torchvision.__version__)"
+      lscpu | grep -E '^(Model name|CPU\(s\))'; } 2>&1 | tee "$R/machine.txt"; keep
+
+    step "the step of 16 profiled: graphed (the default), eager, graphed in NCHW"
+    for v in "graph:" "eager:--cuda-graph off" "graph-nchw:--no-channels-last"; do
+        timeout 35 $PY -m benchmarks profile --data-path "$DATA" --batch-size 16 --steps 30 --warmup 20 \
+            --options="${v#*:}" --out "$R/profile-b16-${v%%:*}.json" 2>&1 | grep -v Warning | tail -14; keep
+    done
+
+    step "throughput at batch 256 on random tensors: the original recipe, eager, graphed, compiled"
+    timeout 120 $PY -m benchmarks throughput --data-path "$DATA" --images 10000 --world-sizes 1 --batch-size 256 \
+        --steps 20 --warmup 5 --repeats 1 --no-real --configs seed ours-eager ours-graph ours-compile \
+        --out "$R/throughput-b256.json" 2>&1 | grep -v Warning | tail -8; keep
+
+    step "throughput at batch 64 (random tensors and real JPEGs), and 256 through the loader"
+    timeout 55 $PY -m benchmarks throughput --data-path "$DATA" --images 10000 --world-sizes 1 --batch-size 64 \
+        --steps 30 --warmup 10 --repeats 1 --configs ours-eager ours-graph --out "$R/throughput-b64.json" 2>&1 \
+        | grep -v Warning | tail -6; keep
+    timeout 40 $PY -m benchmarks throughput --data-path "$DATA" --images 10000 --world-sizes 1 --batch-size 256 \
+        --steps 15 --warmup 5 --repeats 1 --no-synthetic --configs ours-graph --out "$R/throughput-b256-real.json" 2>&1 \
+        | grep -v Warning | tail -6; keep
+
+    step "the whole job, 10 epochs of 3,670 photos: the defaults, and batches of 256 and 64 with --device-augment"
+    timeout 100 $PY -m benchmarks endtoend --data-path "$DATA" --images 3670 --epochs 10 --batch-size 16 --repeats 1 \
+        --variant '' --variant '--batch-size 256 --device-augment' --variant '--batch-size 64 --device-augment' \
+        --out "$R/endtoend.json" 2>&1 | grep -v Warning | tail -12; keep
+fi
+
+# Part 4: the whole suite, pytest-xdist's workers each on 2 cores of their own (tests/conftest.py).
+if [ "$1" = 4 ]; then
+    step "the whole suite"
+    started=$(date +%s)
+    # Each test's result as it ends (-v, into $OUT), each failure's report as it happens
+    # (PYTEST_FAILURES_LOG), each test cut at 240 s: a run cut off by the time limit still says
+    # what failed and why.
+    PYTEST_FAILURES_LOG="$OUT/suite-failures.txt" timeout "${SUITE_LIMIT:-300}" $PY -m pytest tests -v -n 8 \
+        -p no:cacheprovider --timeout 240 --durations=25 > "$OUT/suite.txt" 2>&1
+    grep -E "(FAILED|ERROR)" "$OUT/suite.txt" | tail -40; tail -30 "$OUT/suite.txt"
+    echo "the suite took $(( $(date +%s) - started )) s"
 fi

@@ -41,6 +41,8 @@ DEFINITIONS = {
     "achieved_tflops": "flop_per_image x images_per_sec",
     "kinds": "device time per step of each kind of kernel (CPU: self time of each kind of operator), "
              "from torch.profiler over the profiled steps",
+    "busy_ms_per_step": "the sum of kinds: time the device spent in kernels per step, against step_ms",
+    "kernels_per_step": "kernels (CPU: operators) the profiler recorded per step",
 }
 
 
@@ -102,6 +104,7 @@ def profile_steps(args: argparse.Namespace) -> dict[str, Any]:
         definitions=DEFINITIONS, images_per_sec=round(rate, 1), step_ms=round(1000 * seconds / args.steps, 2),
         flop_per_image=flops, achieved_tflops=round(flops * rate / 1e12, 1),
         kinds={k: round(v, 3) for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])},
+        busy_ms_per_step=round(sum(per_step.values()), 3), kernels_per_step=sum(e.count for e in events) / args.steps,
         top=[{"name": e.key[:160], "ms_per_step": round((e.self_device_time_total if cuda else e.self_cpu_time_total)
                                                          / 1000 / args.steps, 3), "calls_per_step": e.count / args.steps}
              for e in top])
@@ -113,7 +116,8 @@ def profile_table(result: dict[str, Any]) -> str:
     total = sum(result["kinds"].values())
     lines = [f"{result['images_per_sec']:.0f} img/s, {result['step_ms']:.1f} ms per step of "
              f"{result['settings']['batch_size']}; {result['flop_per_image'] / 1e9:.1f} GFLOP per image, "
-             f"{result['achieved_tflops']:.1f} TFLOP/s achieved", "",
+             f"{result['achieved_tflops']:.1f} TFLOP/s achieved; the device busy {total:.2f} ms of each step, "
+             f"{result['kernels_per_step']:.0f} kernels", "",
              "| kind | ms per step | share of profiled time |", "|---|---|---|"]
     lines += [f"| {kind} | {ms:.2f} | {100 * ms / total:.0f}% |" for kind, ms in result["kinds"].items()]
     return "\n".join(lines)

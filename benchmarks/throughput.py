@@ -110,6 +110,8 @@ def build_trainer(job: Job, ctx: DistContext) -> Trainer:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if ctx.device.type == "cuda" else cpu_sync_batchnorm(model)
     wrapped = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None) \
         if ctx.distributed else model
+    if args.compile:
+        wrapped = torch.compile(wrapped)
     optimizer, scaler, _ = build_optimizer(model, args, ctx.device)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     # The schedule's length: the epoch an epoch of this many batches would be (its shape only).

@@ -28,7 +28,7 @@ def blockers(args: argparse.Namespace) -> list[str]:
     if args.accum_steps > 1:
         found.append("--accum-steps (a step of several batches, each backward but the last without DDP's sync)")
     if args.compile:
-        found.append("--compile (its own graphs: torch.compile(mode='reduce-overhead'))")
+        found.append("--compile (torch.compile's code was not tried inside a captured graph)")
     return found
 
 

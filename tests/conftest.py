@@ -56,6 +56,15 @@ def pytest_configure(config) -> None:
         # A shell starts a background job (`cmd &`, nohup) with Ctrl-C ignored, and every process
         # it starts inherits that: the tests that press Ctrl-C on a job would wait in vain.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if worker and len(cores) >= 2 * workers:
+        # `pytest -n N` (pytest-xdist, on a machine of many cores): each worker and every process
+        # it starts keeps to its own share of the cores, as on a small machine of its own, so that
+        # the jobs' threads and loader workers, sized from the cores they see, do not pile up.
+        share = len(cores) // workers
+        index = int(worker.removeprefix("gw"))
+        os.sched_setaffinity(0, cores[index * share:(index + 1) * share])
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +74,21 @@ def processes_on_the_cpu(request, monkeypatch) -> None:
     fewer GPUs than processes would (rightly) be refused. Only the `gpu` tests see the GPUs."""
     if request.node.get_closest_marker("gpu") is None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        # The same for the code a test runs in this process: CUDA, once this process has asked
+        # (the gpu tests' skip marks ask at collection), no longer reads CUDA_VISIBLE_DEVICES,
+        # and the launchers' default device would be the GPU.
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+def pytest_runtest_logreport(report) -> None:
+    """With PYTEST_FAILURES_LOG=PATH, each failure's report is appended there as it happens
+    (pytest's own summary comes only at the end, which a run cut off by a time limit never
+    reaches: the GPU machine's runs)."""
+    path = os.environ.get("PYTEST_FAILURES_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:  # once: xdist's controller
+        with open(path, "a") as log:
+            log.write(f"=== {report.nodeid} ({report.when}, {report.duration:.0f} s)\n{report.longreprtext}\n")
 
 
 def launcher_cmd(launcher: str, nproc: int = 1) -> list[str]:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import SAMPLE, check_png, ok, run_cli
 
 from benchmarks import accuracy, instruments, ours_recipe, profile
@@ -240,3 +241,20 @@ def test_accuracy_against_wall_time_and_under_time_budgets(tmp_path):
     assert reread["runs"]["seed"]["3"]["recorded_in"].startswith(str(out))
     assert json.loads((tmp_path / "again" / "ours-0.5-seed3" / "config.json").read_text())["time_budget"] == \
         f"{0.5 * seed_seconds:.1f}"
+
+
+def test_the_compiled_configuration_is_compiled_as_the_launchers_compile(monkeypatch):
+    """ours-compile assembles the model as the launchers do, torch.compile last (it once lost
+    the call when compiling moved into the launchers, and measured the eager step under its name)."""
+    from benchmarks import throughput
+    from multi_train_utils.distributed_utils import DistContext
+    from multi_train_utils.loaders import readable_split
+
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compiled.append(model) or model)
+    ctx = DistContext.single(torch.device("cpu"))
+    for config, expected in (("ours", 0), ("ours-compile", 1)):
+        plan = ours_recipe.ours_plan(str(SAMPLE), 32, 2, ours_recipe.OURS_OPTIONS[config])
+        job = throughput.Job(config, 1, "synthetic", plan, readable_split(plan, ctx), 1, 1, "", "fork")
+        throughput.build_trainer(job, ctx)
+        assert len(compiled) == expected, config

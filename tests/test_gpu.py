@@ -9,8 +9,10 @@ SyncBN's arithmetic, faults) is covered on the CPU with gloo by the rest of the 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import sys
 
 import pytest
@@ -18,7 +20,7 @@ import torch
 from PIL import Image
 from torch.nn.parallel import DistributedDataParallel
 import torch.distributed as dist
-from conftest import SAMPLE, call_main, metrics, ok, run_cli, train
+from conftest import SAMPLE, call_main, kill_group, launcher_cmd, metrics, ok, run_cli, start, train, wait_for_epochs
 
 import predict
 from model import create_model
@@ -110,6 +112,7 @@ def test_device_augment_cuts_on_the_gpu_what_it_cuts_on_the_cpu(tmp_path):
     gpu, cpu = loaders["cuda"][0], loaders["cpu"][0]
     apart = (gpu.crops.pixels.cpu().float() - cpu.crops.pixels.float()).abs().mean(dim=(1, 2, 3))
     # Measured on an H200 (torch 2.11): 1.3 grey levels apart on average, 4.5 for the farthest picture.
+    print(f"device-augment squares: {apart.mean():.2f} grey levels apart on average, {apart.max():.2f} at most")
     assert apart.mean() < 2 and apart.max() < 6, (apart.mean(), apart.max())
     assert torch.equal(gpu.crops.frames.cpu(), cpu.crops.frames.cpu())
     gpu.crops = DeviceCrops(cpu.crops.pixels.to(CUDA), cpu.crops.frames.to(CUDA))
@@ -122,9 +125,12 @@ def test_device_augment_cuts_on_the_gpu_what_it_cuts_on_the_cpu(tmp_path):
     # The validation images wait on the GPU: the same images, labels and order as the CPU's loader.
     kept, val_loader = loaders["cuda"][1], loaders["cpu"][1]
     assert isinstance(kept, DeviceBatches) and list(kept.sampler) == list(val_loader.sampler)
+    val_apart = []
     for (pixels, labels), (expected, expected_labels) in zip(kept, val_loader, strict=True):
         assert pixels.is_cuda and torch.equal(labels.cpu(), expected_labels)
-        assert (pixels.cpu().float() - expected.float()).abs().mean() < 3
+        val_apart.append((pixels.cpu().float() - expected.float()).abs().mean().item())
+    print(f"validation batches kept on the GPU: {max(val_apart):.2f} grey levels apart at most (batch means)")
+    assert max(val_apart) < 3, val_apart
     ok(train("single", tmp_path, "--epochs", "1", *ON_GPU, "--device-augment"))
     assert len(metrics(tmp_path)) == 1
 
@@ -145,9 +151,12 @@ def test_nvjpeg_decodes_what_it_reads_and_leaves_the_rest_to_the_cpu(tmp_path):
     baseline = [p for p, _ in samples[:40]]
     pictures = decode_on_gpu(baseline + odd, CUDA, threads=4)
     assert all(p is None for p in pictures[len(baseline):])
+    apart = []
     for path, picture in zip(baseline, pictures):
         assert picture.is_cuda
-        assert (picture.cpu().float() - decode(path, 10_000).float()).abs().mean() < 2
+        apart.append((picture.cpu().float() - decode(path, 10_000).float()).abs().mean().item())
+    print(f"nvJPEG against libjpeg: {sum(apart) / len(apart):.2f} grey levels apart on average, {max(apart):.2f} at most")
+    assert max(apart) < 2, apart
 
 
 def step_losses(choice: str, amp: str, ddp_options: dict | None) -> list[float]:
@@ -277,3 +286,27 @@ def test_check_runs_its_nccl_stages_on_the_gpu(tmp_path):
     assert re.search(r"device +ok +cuda:0, nccl", result.stdout), result.stdout
     assert re.search(r"all-reduce +ok +nccl, 1 processes, sum checked", result.stdout), result.stdout
     assert "NCCL -" not in result.stdout and "driver -" not in result.stdout
+
+
+def test_sigterm_to_torchrun_under_nccl_with_the_default_loader_workers(tmp_path):
+    """A preemption on a GPU node: SIGTERM to torchrun's whole process group (as slurmstepd and
+    `docker stop` send it), NCCL, the default loader workers. The rank saves its position inside
+    the epoch (torchrun, signalled itself, reports its own exit code, 1); the job resumes there."""
+    steps = ["--epochs", "3", "--batch-size", "2", "--img-size", "64", "--no-plots", "--device", "cuda"]
+    cmd = launcher_cmd("launch", 1) + ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path), *steps]
+    proc = start(cmd)
+    try:
+        wait_for_epochs(proc, tmp_path, 1, timeout=300)
+        os.killpg(proc.pid, signal.SIGTERM)
+        code, err = proc.wait(timeout=120), proc.stderr.read()
+    finally:
+        kill_group(proc)
+    print(err[-1500:])
+    assert "backend=nccl" in proc.stdout.read()
+    assert err.count("stopped: SIGTERM: every process stopped after step") == 1, err[-3000:]
+    assert code == 1, err[-3000:]
+    checkpoint = torch.load(tmp_path / "last.pth", map_location="cpu", weights_only=False)
+    assert checkpoint["steps_in_epoch"] > 0 and checkpoint["epoch"] == len(metrics(tmp_path))
+    out = ok(train("launch", tmp_path, *steps, "--resume", "auto", fast=[])).stdout
+    assert f"goes on after step {checkpoint['steps_in_epoch']}" in out
+    assert [r["epoch"] for r in metrics(tmp_path)] == [1, 2, 3]
