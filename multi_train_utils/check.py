@@ -28,6 +28,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import model_for
 from multi_train_utils.config import Plan
@@ -217,16 +218,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_training_step(plan: Plan, device: torch.device) -> tuple[float, int]:
+def time_training_step(plan: Plan, device: torch.device, job: DistContext | None = None) -> tuple[float, int]:
     """Seconds of one training step of the command line's model and batch on `device`, alone
-    (no DDP: the compute that communication is weighed against); and the gradient's bytes."""
+    (no DDP: the compute that communication is weighed against), or, given the `job`, under DDP
+    on every rank at once; and the gradient's bytes."""
     args = plan.args
     classes = max(2, len({label for _, label in plan.samples}))
     torch.manual_seed(args.seed)
     model = model_for(args, classes)
     place_model(model, args, device)
-    ctx = DistContext.single(device)
+    ctx = job or DistContext.single(device)
     optimizer, scaler, _ = build_optimizer(model, args, device)
+    if job:  # broadcast: DDP copies rank 0's weights; backward() all-reduces the gradients
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     batch = [(torch.randint(0, 256, (args.batch_size, 3, args.img_size, args.img_size), dtype=torch.uint8),
               torch.randint(0, classes, (args.batch_size,)))]
@@ -393,6 +397,7 @@ def step_figures(plan: Plan, ctx: DistContext) -> Figures:
     if ctx.world_size == 1:
         return figures
     return dataclasses.replace(figures, bucket_seconds=time_all_reduce(DDP_BUCKET_BYTES, ctx),
-                               grad_seconds=time_all_reduce(grad_bytes, ctx))
+                               grad_seconds=time_all_reduce(grad_bytes, ctx),
+                               ddp_step_seconds=time_training_step(plan, ctx.device, ctx)[0])
 
 

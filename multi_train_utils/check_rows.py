@@ -264,6 +264,7 @@ class Figures:
     grad_bytes: int
     bucket_seconds: float | None = None  # all-reduce of DDP_BUCKET_BYTES; None with one process
     grad_seconds: float | None = None  # all-reduce of the model's gradient
+    ddp_step_seconds: float | None = None  # the same step under DDP, every rank at once
 
 
 def figure_rows(f: Figures) -> list[Row]:
@@ -274,17 +275,27 @@ def figure_rows(f: Figures) -> list[Row]:
     bucket_bw = bus_bandwidth(DDP_BUCKET_BYTES, f.bucket_seconds, f.world_size)
     grad_bw = bus_bandwidth(f.grad_bytes, f.grad_seconds, f.world_size)
     share = comm_share(f.grad_seconds, f.step_seconds)
+    scaling = [] if f.ddp_step_seconds is None else [scaling_row(f)]
     bandwidth = Row("bus bandwidth", OK, f"{bucket_bw / 1e9:.2f} GB/s at DDP's 25 MiB bucket, {grad_bw / 1e9:.2f} GB/s "
                     f"at the model's {f.grad_bytes / 2**20:.0f} MiB gradient: the range of {link_class(grad_bw)}")
     if share < COMM_SHARE_GOAL:
         return [step, bandwidth, Row("communication", OK, f"at most {share:.0%} of a step at {f.world_size} processes "
-                                     f"(the gradient's all-reduce, {f.grad_seconds * 1000:.0f} ms)")]
+                                     f"(the gradient's all-reduce, {f.grad_seconds * 1000:.0f} ms)"), *scaling]
     better = batch_for_share(f.grad_seconds, f.step_seconds, f.batch)
     return [step, bandwidth, Row(
         "communication", WARN, f"up to {share:.0%} of a step at {f.world_size} processes (the gradient's all-reduce, "
         f"{f.grad_seconds * 1000:.0f} ms; DDP overlaps part of it with the backward pass)",
         f"under {COMM_SHARE_GOAL:.0%} from --batch-size {better} per process (or --accum-steps "
-        f"{math.ceil(better / f.batch)}); a faster link otherwise (docs/multi-node.md)")]
+        f"{math.ceil(better / f.batch)}); a faster link otherwise (docs/multi-node.md)"), *scaling]
+
+
+def scaling_row(f: Figures) -> Row:
+    """The step under DDP against the same step without it, both timed on every rank at once:
+    what the processes make together against what one of them would make alone."""
+    alone, together = f.batch / f.step_seconds, f.world_size * f.batch / f.ddp_step_seconds
+    return Row("scaling", OK, f"a step under DDP {f.ddp_step_seconds * 1000:.0f} ms against {f.step_seconds * 1000:.0f} ms "
+               f"without it: {f.world_size} processes {together:.0f} img/s in all, {together / alone:.2f}x one process's "
+               f"{alone:.0f} ({f.world_size}x at best)")
 
 
 def report(rows: list[Row]) -> int:

@@ -26,6 +26,7 @@ from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import DistContext, broadcast_object, start_method
 from multi_train_utils.ema import WeightAverage
 from multi_train_utils.plotter import Plotter
+from multi_train_utils.scaling import ScalingTally
 from multi_train_utils.schedule import global_batch, peak_lr
 from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, DataSplit, ProjectError, UserError, save_split, write_json
 
@@ -124,6 +125,7 @@ class RunFiles:
         self._in_flight: list[Future] = []
         self._epoch = 0  # the epoch whose files are in flight
         self.epochs_began = self.epochs_ended = time.perf_counter()
+        self.scaling = ScalingTally(ctx.world_size, plan.args.batch_size)  # the end's summary of a multi-process run
 
     def save_epoch(self, epoch: int, progress: Progress, train_stats: dict[str, Any], evaluated: Any,
                    is_best: bool) -> None:
@@ -137,6 +139,7 @@ class RunFiles:
                                         self.split.class_names, self.ctx.world_size,
                                         self.ema.module if self.ema else None, evaluated.better, evaluated.evaluated_bn))
         record["checkpoint_seconds"] = time.perf_counter() - started
+        self.scaling.add(train_stats)
         print(epoch_line(record, progress.last_epoch, is_best), flush=True)
         self._epoch = epoch
         # The checkpoint goes first: metrics.jsonl never names an epoch that a resumed run trains again.
@@ -186,6 +189,7 @@ class RunFiles:
             waited = f", {self.plotter.waited_line()}" if self.plotter else ""
             print(f"time: start-up {self.epochs_began - self.began:.1f}s, epochs "
                   f"{self.epochs_ended - self.epochs_began:.1f}s, final report {ended - self.epochs_ended:.1f}s{waited}")
+            self.scaling.report(self.output_dir)
             print(f"done: best val_acc {self.progress.best_acc:.4f}; checkpoints and logs in {self.output_dir}", flush=True)
 
 

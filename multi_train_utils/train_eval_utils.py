@@ -20,6 +20,7 @@ from multi_train_utils.budget import most_epochs
 from multi_train_utils.checkpoint import load_weights
 from multi_train_utils.cuda_graph import graphed_step, use_side_stream, wanted
 from multi_train_utils.progress import Progress
+from multi_train_utils.scaling import ddp_timers
 from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum, broadcast_buffers
 from multi_train_utils.ema import WeightAverage
 from multi_train_utils.mixing import build_mix
@@ -226,7 +227,7 @@ def train_one_epoch(model: nn.Module, criterion: nn.Module, optimizer: torch.opt
             steps.looked(at.step_in_epoch, batch_seconds * args.accum_steps)
     bar.close()
     totals = all_reduce_sum(tally.local_sums(), ctx)  # the epoch's one all-reduce
-    return {**tally.metrics(totals), "seconds": clock() - started, "stopped_after": stopped,
+    return {**tally.metrics(totals), "seconds": clock() - started, "stopped_after": stopped, **ddp_timers(model, bool(graph)),
             "lr": schedule(epoch * steps_per_epoch)}  # where the epoch left the schedule
 
 

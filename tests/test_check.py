@@ -94,6 +94,13 @@ def assert_healthy(stdout: str, world_size: int) -> dict[str, list[str]]:
     bandwidth = [float(x) for x in re.findall(r"([\d.]+) GB/s at", table["bus bandwidth"][0])]
     assert len(bandwidth) == 2 and all(b > 0 for b in bandwidth)
     assert re.search(rf"(at most|up to) \d+% of a step at {world_size} processes", table["communication"][0])
+    # The step under DDP, timed on every rank at once, against the same step without it.
+    under_ddp, alone, together, ratio, one = re.match(
+        rf"ok a step under DDP (\d+) ms against (\d+) ms without it: {world_size} processes (\d+) img/s in all, "
+        rf"([\d.]+)x one process's (\d+) \({world_size}x at best\)", table["scaling"][0]).groups()
+    assert int(together) == pytest.approx(world_size * 8 * 1000 / int(under_ddp), abs=1)
+    assert int(one) == pytest.approx(8 * 1000 / int(alone), abs=1)
+    assert float(ratio) == pytest.approx(int(together) / int(one), abs=0.1)
     return table
 
 

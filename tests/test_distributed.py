@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from model import cpu_sync_batchnorm, create_model
 from multi_train_utils.checkpoint import REQUIRED_KEYS, load_checkpoint
 from multi_train_utils.config import prepare
+from multi_train_utils.scaling import ScalingTally
 from multi_train_utils import distributed_utils
 from multi_train_utils.distributed_utils import DistContext, ShardSampler, init_distributed, teardown
 from multi_train_utils.rendezvous import Rendezvous, find_free_port
@@ -74,6 +75,27 @@ def test_end_to_end(runs, launcher, world_size):
     assert not list(out.glob("*.png"))  # --no-plots
     # Rank 0 alone prints: one summary line per epoch, not one per process.
     assert result.stdout.count("epoch 2/2: train loss") == 1
+    # A multi-process run ends by saying what its processes bought, measured: the images/s of
+    # its epochs, the loop's waits for data, DDP's own timers of the gradients' all-reduce.
+    if world_size == 1:
+        assert "scaling:" not in result.stdout and not (out / "scaling.json").exists()
+        return
+    scaling = json.loads((out / "scaling.json").read_text())
+    seconds = sum(r["epoch_seconds"] for r in records)
+    assert scaling["processes"] == world_size
+    assert scaling["images_per_sec"] == pytest.approx(sum(r["train_images_per_sec"] * r["epoch_seconds"]
+                                                          for r in records) / seconds, rel=1e-6)
+    assert scaling["images_per_sec_per_process"] == pytest.approx(scaling["images_per_sec"] / world_size)
+    assert scaling["data_wait_share"] == pytest.approx(sum(r["data_wait_seconds"] for r in records) / seconds, rel=1e-6)
+    timers = scaling["ddp_timers_ms"]
+    assert all(timers[key] > 0 for key in ("forward_ms", "backward_ms", "all_reduce_ms"))
+    assert scaling["all_reduce_wait_ms"] == pytest.approx(max(0, timers["all_reduce_ms"] - timers["hidden_ms"]))
+    assert 0 <= scaling["all_reduce_wait_share"] < 1
+    # The forward and backward passes and the wait DDP timed fit inside the step the epochs measured.
+    assert timers["forward_ms"] + timers["backward_ms"] + scaling["all_reduce_wait_ms"] < 1.5 * scaling["step_ms"]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("scaling:"))
+    assert line.startswith(f"scaling: {world_size} processes trained {scaling['images_per_sec']:.1f} img/s in all")
+    assert f"{scaling['all_reduce_wait_share']:.0%} for the gradients' all-reduce" in line
 
 
 @pytest.mark.slow
@@ -325,3 +347,19 @@ def test_non_finite_loss_stops_every_rank(tmp_path, launcher, nproc):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def test_the_scaling_summary_of_a_graphed_run_leaves_the_all_reduce_untimed(tmp_path):
+    """On a GPU the step is replayed as a CUDA graph, where DDP's timers do not run: the summary
+    says so instead of showing the eager warm-up steps' figures as the run's."""
+    tally = ScalingTally(2, 16)
+    for _ in range(2):  # two epochs of 320 images in 2 s each
+        tally.add({"train_images": 320, "seconds": 2.0, "data_wait_seconds": 0.5, "ddp_timers": None})
+    tally.report(tmp_path)
+    summary = json.loads((tmp_path / "scaling.json").read_text())
+    assert summary["images_per_sec"] == 160 and summary["images_per_sec_per_process"] == 80
+    assert summary["step_ms"] == pytest.approx(200) and summary["data_wait_share"] == 0.25
+    assert summary["all_reduce_wait_share"] is None and summary["ddp_timers_ms"] is None
+    one = ScalingTally(1, 16)
+    one.add({"train_images": 320, "seconds": 2.0, "data_wait_seconds": 0.5})
+    one.report(tmp_path / "missing")  # one process: nothing to say, nothing written
