@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import FAST, SAMPLE, args_for, call_main, sample_batch
+from conftest import FAST, SAMPLE, args_for, call_main, metrics, sample_batch
 
 import train_single_gpu
 from model import create_model, freeze_backbone
@@ -189,3 +189,36 @@ def test_eval_only_with_weights(tmp_path, capsys):
     assert report["weights"] == weights and report["images"] == 25
     assert sum(map(sum, report["confusion_matrix"])) == 25 and report["accuracy"] == result["val_acc"]
     assert (out / "confusion_matrix.csv").is_file() and (out / "confusion_matrix.png").is_file()
+
+
+@pytest.mark.slow
+def test_your_own_photos_fine_tuned_from_a_torchvision_state_dict_then_predicted(tmp_path, capsys):
+    """The README's path for one's own photos, from ImageNet weights: a state dict in the layout
+    of torchvision's ResNet34 file (1000-class head), saved locally since these machines cannot
+    download the real one. The backbone loads and, with --freeze-layers, stays exactly as the
+    file has it (BatchNorm statistics too); the new 5-class head is what trains; predict.py
+    then classifies new photos with the run's best checkpoint."""
+    import predict
+    import torchvision
+    from multi_train_utils.checkpoint import load_checkpoint
+
+    torch.manual_seed(1)
+    donor = torchvision.models.resnet34().state_dict()  # torchvision's names and shapes
+    weights = saved_weights(tmp_path, "resnet34-imagenet-layout.pth", donor)
+    out = tmp_path / "run"
+    call_main(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(out), *FAST, "--epochs", "2",
+                                      "--weights", weights, "--freeze-layers"])
+    printed = capsys.readouterr().out
+    assert f"weights from {weights}: loaded {len(donor) - 2} tensors, skipped 2 (fc.bias, fc.weight)" in printed
+    trained = load_checkpoint(out / "best.pth")["model"]
+    backbone = [k for k in donor if not k.startswith("fc.")]
+    assert all(torch.equal(trained[k].cpu(), donor[k]) for k in backbone), "a frozen layer changed"
+    assert trained["fc.weight"].shape == (5, 512)
+    assert [r["epoch"] for r in metrics(out)] == [1, 2]
+    photos = sorted(SAMPLE.glob("tulips/*"))[:3]
+    with pytest.raises(SystemExit) as ended:
+        call_main(predict.main, ["--checkpoint", str(out / "best.pth"), *map(str, photos), "--json"])
+    assert ended.value.code == 0
+    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    classes = {"daisy", "dandelion", "roses", "sunflowers", "tulips"}
+    assert len(answers) == 3 and all(a["top"][0]["class"] in classes for a in answers)
