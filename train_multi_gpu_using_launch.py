@@ -8,7 +8,8 @@
 
 Rank, local rank and world size come from the environment that torchrun, the legacy
 `python -m torch.distributed.launch` or SLURM sets. Run without any of them, it trains in
-one process. See README.md for every option; all three launchers share them.
+one process. `--help` lists every option and docs/options.md says what each does; all three
+launchers share them.
 
 Every process runs this file from the top, on its own share of the images. The rule of
 collectives: every rank makes the same collectives (all_reduce, broadcast, gather, barrier) in
@@ -16,9 +17,14 @@ the same order, and none under `if rank == 0:`; a rank that skips one leaves the
 waiting in it. The comment of each line below that makes one, or leads to one, says which.
 Rank 0 alone prints and writes. docs/how-it-works.md says why each call is where it is.
 """
+import signal
 import sys
 import time
 from contextlib import nullcontext
+
+# Loading torch and the rest takes seconds: a SIGTERM meanwhile (a job preempted as it starts)
+# ends this process with 75, as one anywhere outside training does, for the scheduler to requeue it.
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(75))
 
 import torch
 import torch.distributed as dist

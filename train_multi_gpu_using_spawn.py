@@ -5,7 +5,8 @@
 
 No launcher needed: this script starts the processes itself, on this machine only, and picks a
 free port on 127.0.0.1 unless MASTER_ADDR/MASTER_PORT are set. On a machine without GPUs,
---world-size N runs N CPU processes with gloo. See README.md for every option.
+--world-size N runs N CPU processes with gloo. `--help` lists every option and docs/options.md
+says what each does.
 
 main() starts the processes; each runs worker() and then train(), on its own share of the
 images. The rule of collectives: every rank makes the same collectives (all_reduce, broadcast,
@@ -14,9 +15,14 @@ leaves the others waiting in it. The comment of each line below that makes one, 
 one, says which. Rank 0 alone prints and writes. docs/how-it-works.md says why each call is
 where it is.
 """
+import signal
 import sys
 import time
 from contextlib import nullcontext
+
+# Loading torch and the rest takes seconds: a SIGTERM meanwhile (a job preempted as it starts)
+# ends this process with 75, as one anywhere outside training does, for the scheduler to requeue it.
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(75))
 
 import torch
 import torch.distributed as dist

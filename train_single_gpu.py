@@ -4,14 +4,20 @@
     python train_single_gpu.py --device cuda:1 --data-path dataset/flower_photos --download
     python train_single_gpu.py --data-path dataset/flower_photos --check    # diagnose, do not train
 
-See README.md for every option; all three launchers share them. The multi-GPU launchers run the
-same steps in every process, and add the process group, SyncBatchNorm, the DDP wrap and the
-collectives that keep the processes in step: `diff train_single_gpu.py
-train_multi_gpu_using_launch.py` shows them, and docs/how-it-works.md says why each call is
-where it is.
+`--help` lists every option and docs/options.md says what each does; all three launchers share
+them. The multi-GPU launchers run the same steps in every process, and add the process group,
+SyncBatchNorm, the DDP wrap and the collectives that keep the processes in step: `diff
+train_single_gpu.py train_multi_gpu_using_launch.py` shows them, and docs/how-it-works.md says
+why each call is where it is.
 """
+import signal
 import sys
 import time
+
+# Loading torch and the rest takes seconds: a SIGTERM meanwhile (a job preempted as it starts)
+# ends this process with 75, as one anywhere outside training does, for the scheduler to requeue it.
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(75))
+
 
 import torch
 from torch import nn

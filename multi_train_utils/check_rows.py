@@ -290,12 +290,13 @@ def figure_rows(f: Figures) -> list[Row]:
 
 
 def scaling_row(f: Figures) -> Row:
-    """The step under DDP against the same step without it, both timed on every rank at once:
-    what the processes make together against what one of them would make alone."""
+    """The step under DDP against the same step without it, each timed on every rank at once
+    (so on processes that share CPUs, each beside the others, as in the job): what the
+    processes make together against what one of them makes without the all-reduce."""
     alone, together = f.batch / f.step_seconds, f.world_size * f.batch / f.ddp_step_seconds
     return Row("scaling", OK, f"a step under DDP {f.ddp_step_seconds * 1000:.0f} ms against {f.step_seconds * 1000:.0f} ms "
                f"without it: {f.world_size} processes {together:.0f} img/s in all, {together / alone:.2f}x one process's "
-               f"{alone:.0f} ({f.world_size}x at best)")
+               f"{alone:.0f} ({f.world_size}x at best; each step timed beside the other processes')")
 
 
 def report(rows: list[Row]) -> int:

@@ -9,7 +9,6 @@ step, so there is nothing of it to save.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import pickle
 import shutil

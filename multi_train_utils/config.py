@@ -98,7 +98,7 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     train.add_argument("--lr", type=float, default=0.1,
                        help="learning rate for a global batch of 256; the run uses lr * global_batch / 256")
     train.add_argument("--lrf", type=float, default=0.01, help="final learning rate as a fraction of the peak")
-    train.add_argument("--momentum", type=float, default=0.9)
+    train.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum (Nesterov's, unless 0)")
     train.add_argument("--weight-decay", type=float, default=5e-5, help="applied to weights, not to BatchNorm or biases")
     train.add_argument("--warmup-epochs", type=float, default=1.0,
                        help="linear warm-up before the decay (under --time-budget the decay starts at epoch 2 at "
@@ -106,7 +106,8 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     train.add_argument("--lr-decay", default="cosine", choices=["cosine", "linear"],
                        help="the learning rate's decay from the peak to --lrf x peak: a half cosine, or a straight "
                             "line (with --lrf 0, the linear decay to zero that suits short budgets)")
-    train.add_argument("--label-smoothing", type=float, default=0.1)
+    train.add_argument("--label-smoothing", type=float, default=0.1,
+                       help="the share of each target spread evenly over all classes, in the loss")
     train.add_argument("--accum-steps", type=int, default=1,
                        help="batches per optimizer step (gradient accumulation): the global batch, which --lr "
                             "scales with, is --batch-size x processes x this")
@@ -189,7 +190,7 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
     run.add_argument("--check", action="store_true",
                      help="diagnose the setup instead of training: device, rendezvous address and port, memory, "
                           "data, output folder, the processes joining, versions, a checked all-reduce, bus "
-                          "bandwidth and one timed step; exit 0 when a job would run, 1 when not")
+                          "bandwidth, one timed step alone and under DDP; exit 0 when a job would run, 1 when not")
     run.add_argument("--check-timeout", type=float, default=20,
                      help="seconds each --check stage may take before it counts as hung")
 

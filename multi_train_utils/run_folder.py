@@ -125,7 +125,7 @@ class RunFiles:
         self._in_flight: list[Future] = []
         self._epoch = 0  # the epoch whose files are in flight
         self.epochs_began = self.epochs_ended = time.perf_counter()
-        self.scaling = ScalingTally(ctx.world_size, plan.args.batch_size)  # the end's summary of a multi-process run
+        self.scaling = ScalingTally(ctx.world_size, plan.args.batch_size, plan.args.accum_steps)  # a multi-process run's last line
 
     def save_epoch(self, epoch: int, progress: Progress, train_stats: dict[str, Any], evaluated: Any,
                    is_best: bool) -> None:

@@ -4,7 +4,8 @@ rank 0 at the end of the run (the line after `time:`) and kept in the run folder
 scaling.json; `--check` weighs a step under DDP against one without it (check_rows.py).
 
 The all-reduce figures are DDP's own timers (`DistributedDataParallel._get_ddp_logging_data`):
-for each step it samples (steps 1 to 10, then every 100th), the time of the forward pass, of
+for each step it samples (steps 1 to 10, then every 100th: in a short run, mostly its first
+steps, the slow first one among them), the time of the forward pass, of
 the backward pass's computation, of the gradients' all-reduce from the first bucket sent to
 the last one done, and of the part of that all-reduce that ran while the backward pass still
 computed. What the step waited for is the all-reduce less that part. A step replayed as a CUDA
@@ -34,16 +35,17 @@ def ddp_timers(model: nn.Module, graphed: bool) -> dict[str, Any]:
     if graphed:
         return {"ddp_timers": None}
     data = ddp._get_ddp_logging_data()
-    if not all(data.get(key, 0) > 0 for key in DDP_TIMERS.values()):
+    if not all(data.get(DDP_TIMERS[name], 0) > 0 for name in ("forward_ms", "backward_ms", "all_reduce_ms")):
         return {}  # no step timed yet
-    return {"ddp_timers": {name: data[key] / 1e6 for name, key in DDP_TIMERS.items()}}
+    # No part hidden (one bucket, say): DDP leaves that average at 0, or out.
+    return {"ddp_timers": {name: data.get(key, 0) / 1e6 for name, key in DDP_TIMERS.items()}}
 
 
 class ScalingTally:
     """The run's epochs, as rank 0 saves them, summed into one summary."""
 
-    def __init__(self, world_size: int, batch_size: int):
-        self.world_size, self.batch_size = world_size, batch_size
+    def __init__(self, world_size: int, batch_size: int, accum_steps: int = 1):
+        self.world_size, self.batch_size, self.accum_steps = world_size, batch_size, accum_steps
         self.images, self.seconds, self.data_wait = 0, 0.0, 0.0
         self.timers: dict[str, float] | None = None
         self.graphed = False
@@ -59,7 +61,8 @@ class ScalingTally:
 
     def summary(self) -> dict[str, Any]:
         rate = self.images / self.seconds
-        step_ms = 1000 * self.batch_size * self.world_size / rate  # every process steps at once
+        # An optimizer step: --accum-steps batches on every process at once, one all-reduce.
+        step_ms = 1000 * self.batch_size * self.accum_steps * self.world_size / rate
         result: dict[str, Any] = {
             "processes": self.world_size, "images_per_sec": rate, "images_per_sec_per_process": rate / self.world_size,
             "step_ms": step_ms, "data_wait_share": self.data_wait / self.seconds,
@@ -72,7 +75,7 @@ class ScalingTally:
 
     def line(self, summary: dict[str, Any]) -> str:
         head = (f"scaling: {summary['processes']} processes trained {summary['images_per_sec']:.1f} img/s in all, "
-                f"{summary['images_per_sec_per_process']:.1f} each; a step of {self.batch_size} per process took "
+                f"{summary['images_per_sec_per_process']:.1f} each; a step of {self.batch_size * self.accum_steps} per process took "
                 f"{summary['step_ms']:.0f} ms, {summary['data_wait_share']:.0%} of it waiting for data")
         if self.graphed:
             return head + ", the gradients' all-reduce inside the replayed CUDA graph (not timed)"

@@ -97,7 +97,8 @@ def assert_healthy(stdout: str, world_size: int) -> dict[str, list[str]]:
     # The step under DDP, timed on every rank at once, against the same step without it.
     under_ddp, alone, together, ratio, one = re.match(
         rf"ok a step under DDP (\d+) ms against (\d+) ms without it: {world_size} processes (\d+) img/s in all, "
-        rf"([\d.]+)x one process's (\d+) \({world_size}x at best\)", table["scaling"][0]).groups()
+        rf"([\d.]+)x one process's (\d+) \({world_size}x at best; each step timed beside the other processes'\)",
+        table["scaling"][0]).groups()
     assert int(together) == pytest.approx(world_size * 8 * 1000 / int(under_ddp), abs=1)
     assert int(one) == pytest.approx(8 * 1000 / int(alone), abs=1)
     assert float(ratio) == pytest.approx(int(together) / int(one), abs=0.1)

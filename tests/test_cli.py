@@ -1,6 +1,7 @@
 """The shared command line and the user mistakes it must turn into one `error:` line and exit 2."""
 from __future__ import annotations
 
+import argparse
 import http.server
 import re
 import shutil
@@ -9,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import FAST, SAMPLE, call_main, copy_sample, launcher_cmd, run_cli, user_error
+from conftest import FAST, REPO, SAMPLE, call_main, copy_sample, launcher_cmd, run_cli, user_error
 
 import train_multi_gpu_using_launch
 import train_multi_gpu_using_spawn
@@ -171,3 +172,23 @@ def test_a_launcher_refuses_to_keep_images_where_there_is_no_room(option, messag
     line = user_error(train_single_gpu.main, ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path),
                                               "--device", "cpu", *FAST, option], capsys)
     assert line.startswith(message)
+
+
+@pytest.mark.parametrize("launcher", ["single", "launch", "spawn"])
+def test_every_option_has_help_and_a_line_in_the_options_page(launcher):
+    """`--help` explains every option (with its default, where it has one), and docs/options.md
+    names every option a launcher takes."""
+    parser = get_args_parser("test", launcher)
+    page = (REPO / "docs" / "options.md").read_text()
+    for action in parser._actions:
+        names = [o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-")]
+        if not names or action.help == argparse.SUPPRESS and names[0] != "--local-rank":
+            continue
+        if action.help != argparse.SUPPRESS:
+            assert action.help, f"{names[0]} has no help"
+        assert any(f"`{name}`" in page or f"`{name} " in page for name in names), f"{names[0]} is not in docs/options.md"
+    help_text = " ".join(parser.format_help().split())
+    for option, default in (("--momentum", "0.9"), ("--label-smoothing", "0.1"), ("--ema-decay", "0.995"),
+                            ("--flip", "random"), ("--plots", "True")):
+        after = help_text[help_text.index(f" {option} "):]
+        assert f"(default: {default})" in after[:400], option

@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import FAST, REPO, SAMPLE, SMALL_MODEL, args_for, launcher_cmd, metrics, ok, train, train_here
+from conftest import FAST, REPO, SAMPLE, SMALL_MODEL, args_for, launcher_cmd, metrics, ok, sample_batch, train, train_here
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import cpu_sync_batchnorm, create_model
 from multi_train_utils.checkpoint import REQUIRED_KEYS, load_checkpoint
 from multi_train_utils.config import prepare
-from multi_train_utils.scaling import ScalingTally
+from multi_train_utils.scaling import ScalingTally, ddp_timers
 from multi_train_utils import distributed_utils
 from multi_train_utils.distributed_utils import DistContext, ShardSampler, init_distributed, teardown
 from multi_train_utils.rendezvous import Rendezvous, find_free_port
@@ -92,7 +92,8 @@ def test_end_to_end(runs, launcher, world_size):
     assert scaling["all_reduce_wait_ms"] == pytest.approx(max(0, timers["all_reduce_ms"] - timers["hidden_ms"]))
     assert 0 <= scaling["all_reduce_wait_share"] < 1
     # The forward and backward passes and the wait DDP timed fit inside the step the epochs measured.
-    assert timers["forward_ms"] + timers["backward_ms"] + scaling["all_reduce_wait_ms"] < 1.5 * scaling["step_ms"]
+    # (DDP's averages lean on the first steps, the slowest: a loose bound.)
+    assert timers["forward_ms"] + timers["backward_ms"] + scaling["all_reduce_wait_ms"] < 2 * scaling["step_ms"]
     line = next(x for x in result.stdout.splitlines() if x.startswith("scaling:"))
     assert line.startswith(f"scaling: {world_size} processes trained {scaling['images_per_sec']:.1f} img/s in all")
     assert f"{scaling['all_reduce_wait_share']:.0%} for the gradients' all-reduce" in line
@@ -345,9 +346,6 @@ def test_non_finite_loss_stops_every_rank(tmp_path, launcher, nproc):
     assert not (tmp_path / "last.pth").exists()
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__]))
-
 
 def test_the_scaling_summary_of_a_graphed_run_leaves_the_all_reduce_untimed(tmp_path):
     """On a GPU the step is replayed as a CUDA graph, where DDP's timers do not run: the summary
@@ -363,3 +361,38 @@ def test_the_scaling_summary_of_a_graphed_run_leaves_the_all_reduce_untimed(tmp_
     one = ScalingTally(1, 16)
     one.add({"train_images": 320, "seconds": 2.0, "data_wait_seconds": 0.5})
     one.report(tmp_path / "missing")  # one process: nothing to say, nothing written
+
+
+def test_ddp_timers_are_read_from_ddp_itself_under_compile_and_not_under_a_graph():
+    """The timers come from DDP's own logging data, in ms, also through torch.compile's wrapper
+    (not compiled until called); none for a replayed graph; nothing without DDP."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        ddp = DDP(create_model(5))
+        images, labels = sample_batch(4)
+        for _ in range(3):
+            torch.nn.functional.cross_entropy(ddp(images.float()), labels).backward()
+        timers = ddp_timers(ddp, graphed=False)["ddp_timers"]
+        data = ddp._get_ddp_logging_data()
+        assert timers["forward_ms"] == data["avg_forward_compute_time"] / 1e6 > 0
+        assert timers["all_reduce_ms"] == data["avg_backward_comm_time"] / 1e6 > 0
+        assert ddp_timers(torch.compile(ddp), graphed=False) == {"ddp_timers": timers}
+        assert ddp_timers(ddp, graphed=True) == {"ddp_timers": None}
+        assert ddp_timers(create_model(5), graphed=False) == {}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_summary_counts_an_optimizer_step_of_accumulated_batches():
+    """--accum-steps 4: one all-reduce per 4 batches, so the share is of a step of 4 batches."""
+    tally = ScalingTally(2, 8, accum_steps=4)
+    timers = {"forward_ms": 50.0, "backward_ms": 100.0, "all_reduce_ms": 80.0, "hidden_ms": 0.0}
+    tally.add({"train_images": 640, "seconds": 10.0, "data_wait_seconds": 1.0, "ddp_timers": timers})
+    summary = tally.summary()
+    assert summary["step_ms"] == pytest.approx(1000 * 8 * 4 * 2 / 64)  # 64 img/s in all
+    assert summary["all_reduce_wait_share"] == pytest.approx(80 / summary["step_ms"])
+    assert "a step of 32 per process took 1000 ms" in tally.line(summary)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))

@@ -298,11 +298,12 @@ def test_sigterm_to_torchrun_under_nccl_with_the_default_loader_workers(tmp_path
     try:
         wait_for_epochs(proc, tmp_path, 1, timeout=300)
         os.killpg(proc.pid, signal.SIGTERM)
-        code, err = proc.wait(timeout=120), proc.stderr.read()
+        out, err = proc.communicate(timeout=120)
     finally:
         kill_group(proc)
+    code = proc.returncode
     print(err[-1500:])
-    assert "backend=nccl" in proc.stdout.read()
+    assert "backend=nccl" in out
     assert err.count("stopped: SIGTERM: every process stopped after step") == 1, err[-3000:]
     assert code == 1, err[-3000:]
     checkpoint = torch.load(tmp_path / "last.pth", map_location="cpu", weights_only=False)

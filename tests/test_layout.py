@@ -150,3 +150,13 @@ def test_a_module_without_a_layer_is_caught():
     modules = {**project_modules(), "newthing": "import utils\n"}
     with pytest.raises(AssertionError, match="newthing has no layer"):
         violations(modules)
+
+
+def test_the_readmes_layout_names_every_module():
+    """The README's layout table names every module of the launchers' core (a reader who opens
+    multi_train_utils/ finds each file there)."""
+    root = Path(__file__).resolve().parent.parent
+    layout = (root / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    missing = [f.name for f in sorted((root / "multi_train_utils").glob("*.py"))
+               if f.name != "__init__.py" and f"`{f.name}`" not in layout and f"/{f.name}`" not in layout]
+    assert not missing, f"README's layout table leaves out {missing}"

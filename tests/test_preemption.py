@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
+import time
 
 import pytest
 import torch
@@ -208,3 +210,33 @@ def test_sigterm_while_epoch_files_are_written_and_batches_load_ahead(uninterrup
     final = load_checkpoint(tmp_path / "last.pth")["model"]
     for name, value in weights.items():
         torch.testing.assert_close(final[name], value, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def sigterm_caught(pid: int) -> bool:
+    """Whether the process has a handler for SIGTERM (the caught-signals mask in /proc)."""
+    fields = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":\t" in line)
+    return bool(int(fields["SigCgt"], 16) & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.parametrize("launcher", ["single", "launch", "spawn"])
+def test_a_sigterm_while_the_launcher_still_loads_torch_ends_it_with_75(launcher):
+    """A job preempted as it starts: the SIGTERM comes while the launcher still imports torch
+    (seconds), before main() runs. The process ends with 75, for the scheduler to requeue it,
+    not 143 (killed by the signal). With --help, a launcher that got through its imports would
+    print its help and exit 0."""
+    script = {"single": "train_single_gpu.py", "launch": "train_multi_gpu_using_launch.py",
+              "spawn": "train_multi_gpu_using_spawn.py"}[launcher]
+    proc = start([sys.executable, script, "--help"])
+    try:
+        deadline = time.monotonic() + 10
+        while not sigterm_caught(proc.pid):  # the launcher's first statement after `import signal`
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.002)
+        # Caught before torch's libraries are loaded: the launcher, not its main(), caught it.
+        assert "libtorch" not in open(f"/proc/{proc.pid}/maps").read()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == EXIT_PREEMPTED, (proc.returncode, out[-500:], err[-2000:])
+    assert "usage:" not in out and "Traceback" not in err, err[-2000:]
