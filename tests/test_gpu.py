@@ -24,6 +24,7 @@ from conftest import SAMPLE, call_main, kill_group, launcher_cmd, metrics, ok, r
 
 import predict
 from model import create_model
+from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.config import get_args_parser, prepare
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.loaders import loaders_of, readable_split
@@ -306,7 +307,7 @@ def test_sigterm_to_torchrun_under_nccl_with_the_default_loader_workers(tmp_path
     assert "backend=nccl" in out
     assert err.count("stopped: SIGTERM: every process stopped after step") == 1, err[-3000:]
     assert code == 1, err[-3000:]
-    checkpoint = torch.load(tmp_path / "last.pth", map_location="cpu", weights_only=False)
+    checkpoint = load_checkpoint(tmp_path / "last.pth")
     assert checkpoint["steps_in_epoch"] > 0 and checkpoint["epoch"] == len(metrics(tmp_path))
     out = ok(train("launch", tmp_path, *steps, "--resume", "auto", fast=[])).stdout
     assert f"goes on after step {checkpoint['steps_in_epoch']}" in out
