@@ -51,7 +51,10 @@ class ScalingTally:
         self.graphed = False
 
     def add(self, train_stats: dict[str, Any]) -> None:
-        """One epoch's result of train_one_epoch (summed over the ranks)."""
+        """One epoch's result of train_one_epoch (summed over the ranks). An epoch resumed after
+        its last step trained nothing: it has nothing to say of the processes' speed."""
+        if not train_stats["train_images"]:
+            return
         self.images += train_stats["train_images"]
         self.seconds += train_stats["seconds"]
         self.data_wait += train_stats["data_wait_seconds"]
@@ -86,8 +89,8 @@ class ScalingTally:
                 f"{min(self.timers['hidden_ms'], self.timers['all_reduce_ms']):.0f} ms of it behind the backward pass)")
 
     def report(self, output_dir: Path) -> None:
-        """The line and scaling.json; nothing for one process or a run that trained no epoch."""
-        if self.world_size == 1 or not self.seconds:
+        """The line and scaling.json; nothing for one process or a run that trained no step."""
+        if self.world_size == 1 or not self.images:
             return
         summary = self.summary()
         (output_dir / SCALING_FILE).write_text(json.dumps(summary, indent=2) + "\n")

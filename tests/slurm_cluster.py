@@ -19,6 +19,11 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 # More CPUs than these machines have (SlurmdParameters=config_overrides lets the node declare
 # them): four tasks, each with its loader worker's CPU, as on a GPU node.
 NODE_CPUS = 8
+# A requeued job waits cred_expire + 1 seconds before it starts again, until the node has
+# forgotten its old credential (120 s by default; one made to start sooner, by `scontrol update
+# StartTime=now`, is killed with "Job credential revoked" and ends FAILED). 15 s still covers a
+# step's launch on 2 busy cores.
+CRED_EXPIRE = 15
 
 
 @dataclasses.dataclass
@@ -98,7 +103,7 @@ SlurmdUser=root
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire={CRED_EXPIRE}
 CredType=cred/munge
 StateSaveLocation={folder}/state
 SlurmdSpoolDir={folder}/spool

@@ -363,6 +363,19 @@ def test_the_scaling_summary_of_a_graphed_run_leaves_the_all_reduce_untimed(tmp_
     one.report(tmp_path / "missing")  # one process: nothing to say, nothing written
 
 
+def test_a_run_resumed_after_its_last_step_has_no_scaling_summary(tmp_path):
+    """Stopped after the last step of its last epoch (found under SLURM, where a SIGTERM lands
+    on any step), the requeued run trains nothing: no summary, and no division by its 0 images.
+    A resumed epoch with no step left adds nothing to a later epoch's figures."""
+    untimed = {"train_images": 0, "seconds": 11.0, "data_wait_seconds": 0.0}
+    tally = ScalingTally(2, 16)
+    tally.add(untimed)
+    tally.report(tmp_path)
+    assert not (tmp_path / "scaling.json").exists()
+    tally.add({"train_images": 320, "seconds": 2.0, "data_wait_seconds": 0.5, "ddp_timers": None})
+    assert tally.summary()["images_per_sec"] == 160 and tally.summary()["data_wait_share"] == 0.25
+
+
 def test_ddp_timers_are_read_from_ddp_itself_under_compile_and_not_under_a_graph():
     """The timers come from DDP's own logging data, in ms, also through torch.compile's wrapper
     (not compiled until called); none for a replayed graph; nothing without DDP."""
