@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import Sampler
 
 from multi_train_utils import attempt_store
-from multi_train_utils.helper_signals import ForkWithSigtermBlocked
+from multi_train_utils.helper_signals import ForkWithSigtermBlocked, sigterm_ignored_in_new_programs
 from multi_train_utils.rendezvous import (
     CHECK_ADVICE,
     JOIN_REPORT_SECONDS,
@@ -242,7 +242,12 @@ def start_method(ctx: DistContext) -> multiprocessing.context.BaseContext:
     server = multiprocessing.get_context("forkserver")
     server.set_forkserver_preload(["multi_train_utils.fork_server_start", "torch", "torchvision", "my_dataset",
                                    "multi_train_utils.loaders", "plots"])
-    multiprocessing.forkserver.ensure_running()  # now: it imports those while this process goes on
+    # Now: it imports those while this process goes on. Ignoring SIGTERM from its start, not
+    # only from fork_server_start on (seconds of imports later): a SIGTERM meant for the job
+    # (SLURM's warning, a preemption) would kill it meanwhile, and the first loader waiting
+    # for a worker from it would fail the run instead of saving its position.
+    with sigterm_ignored_in_new_programs():
+        multiprocessing.forkserver.ensure_running()
     return server
 
 

@@ -3,10 +3,37 @@ server): SLURM's slurmstepd, `docker stop` with an init and `kill -TERM -PGID` s
 process of a job, and the training process alone acts on it (preemption.py)."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.context
 import os
 import signal
 import threading
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def sigterm_blocked() -> Iterator[None]:
+    """SIGTERM blocked in this thread meanwhile, and from the start in a process it forks."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
+def sigterm_ignored_in_new_programs() -> Iterator[None]:
+    """Meanwhile, a program that this process starts (a fork and an exec: the fork server)
+    ignores SIGTERM from its first instruction: an ignored signal stays ignored across exec,
+    where a blocked mask does not (subprocess's fork_exec clears it). This process keeps its
+    own: a SIGTERM that comes meanwhile waits, blocked (Linux keeps a blocked signal pending even
+    while it is ignored), and reaches the handler after. From the main thread only."""
+    with sigterm_blocked():
+        handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
 
 
 class ForkedWithSigtermBlocked(multiprocessing.context.ForkProcess):
@@ -15,11 +42,8 @@ class ForkedWithSigtermBlocked(multiprocessing.context.ForkProcess):
     thread the helper made before that ran (the fork server's children inherit its mask)."""
 
     def start(self) -> None:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        try:
+        with sigterm_blocked():
             super().start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class ForkWithSigtermBlocked(multiprocessing.context.ForkContext):

@@ -22,7 +22,8 @@ NODE_CPUS = 8
 # A requeued job waits cred_expire + 1 seconds before it starts again, until the node has
 # forgotten its old credential (120 s by default; one made to start sooner, by `scontrol update
 # StartTime=now`, is killed with "Job credential revoked" and ends FAILED). 15 s still covers a
-# step's launch on 2 busy cores.
+# step's launch on 2 busy cores. Nothing wakes the scheduler when that wait is over but its
+# periodic pass, every sched_interval seconds (60 by default): 5 here.
 CRED_EXPIRE = 15
 
 
@@ -117,6 +118,7 @@ SwitchType=switch/none
 MpiDefault=none
 LaunchParameters=use_interactive_step
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=5
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 JobAcctGatherType=jobacct_gather/none

@@ -199,6 +199,31 @@ class Slow(torch.utils.data.Dataset):
         return torch.zeros(3)
 
 
+FORK_SERVER_SIGTERM = """
+import subprocess, sys, threading, multiprocessing.forkserver, torch
+from multi_train_utils.distributed_utils import DistContext, start_method
+context = start_method(DistContext(0, 0, 2, 2, torch.device("cpu"), distributed=True))
+server = multiprocessing.forkserver._forkserver._forkserver_pid
+# SLURM's warning, as slurmstepd sends it (from outside), while the server still imports torch
+# and this process already waits for its first worker.
+threading.Timer(0.5, subprocess.run, (["kill", "-TERM", str(server)],)).start()
+loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4, num_workers=1, multiprocessing_context=context)
+print("batches", len(list(loader)), "server", server == multiprocessing.forkserver._forkserver._forkserver_pid)
+"""
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12, 1) or (3, 11, 10) <= sys.version_info < (3, 12),
+                    reason="this CPython forks loader workers without a fork server (start_method)")
+def test_the_fork_server_outlives_a_sigterm_from_outside_while_it_starts():
+    """Found under SLURM: the time limit's warning came while the fork server, started at
+    set-up, still imported torch, before it could leave SIGTERM alone; it died, and the run
+    failed on its first loader ("EOFError: unexpected EOF") instead of saving its position.
+    The server is started with SIGTERM blocked, as the exec keeps it."""
+    result = subprocess.run([sys.executable, "-c", FORK_SERVER_SIGTERM], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "batches 2 server True" in result.stdout, result.stderr[-3000:]
+
+
 @pytest.mark.parametrize("distributed", [False, True])  # forked by the training process; by a fork server
 def test_a_loader_worker_outlives_a_sigterm_from_outside_and_ends_on_its_trainers(distributed):
     """slurmstepd and `kill -TERM -PGID` signal the workers too: they must go on serving the

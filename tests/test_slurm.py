@@ -1,6 +1,7 @@
 """The batch script of docs/multi-node.md under a real SLURM (tests/slurm_cluster.py), fitted to
-one node of 4 CPU tasks and run with the default loader workers: a SIGTERM stops every task
-after the same step and the job requeues itself and ends after its last epoch; a plain scancel
+one node of 4 CPU tasks and run with the default loader workers: the time limit's warning
+(the script's --signal=TERM@N) stops every task after the same step and the job requeues itself
+and ends after its last epoch; a plain scancel
 leaves the position for a new job; a task killed ends the job, every other task naming it. Skipped, with the reason, where SLURM cannot start."""
 from __future__ import annotations
 
@@ -58,11 +59,17 @@ def batch_script(runs: Path, epochs: int) -> str:
     return fitted
 
 
-def submit(cluster, tmp_path: Path, epochs: int, run_dir: Path | None = None) -> tuple[str, Path, Path]:
+def submit(cluster, tmp_path: Path, epochs: int, run_dir: Path | None = None,
+           limit: tuple[str, int] | None = None) -> tuple[str, Path, Path]:
     """The job's id, its run folder (`run_dir`: an earlier job's, as the script's RUN_DIR) and
-    its output file."""
+    its output file. `limit`: the script's time limit and its warning's seconds, in place of
+    its own (an hour, 120 s)."""
     script = tmp_path / "flowers.sbatch"
-    script.write_text(batch_script(tmp_path, epochs))
+    text = batch_script(tmp_path, epochs)
+    if limit:
+        text = text.replace("--time=01:00:00", f"--time={limit[0]}").replace("--signal=TERM@120", f"--signal=TERM@{limit[1]}")
+        assert f"--signal=TERM@{limit[1]} " in text, text
+    script.write_text(text)
     export = [f"--export=ALL,RUN_DIR={run_dir}"] if run_dir else []
     job = cluster.run("sbatch", "--parsable", f"--chdir={REPO}", f"--output={tmp_path}/slurm-%j.out", *export,
                       str(script)).stdout.strip().split(";")[0]
@@ -89,12 +96,18 @@ def epochs_logged(run: Path) -> int:
 
 
 @pytest.mark.slow
-def test_a_sigterm_requeues_the_job_which_ends_after_its_last_epoch(cluster, tmp_path):
-    job, run, output = submit(cluster, tmp_path, epochs=2)
-    wait_for(cluster, job, output, lambda f: epochs_logged(run) >= 1, "epoch 1")
-    # What --signal=TERM@N and a preemption send: SIGTERM to every process of the job step.
-    cluster.run("scancel", "--signal=TERM", job)
-    wait_for(cluster, job, output, lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1", "the requeue")
+def test_the_time_limits_warning_requeues_the_job_which_ends_after_its_last_epoch(cluster, tmp_path):
+    """The script's own `--signal=TERM@N` before its time limit, sent by SLURM to every process
+    of the job step. slurmctld looks at time limits every 30 s and sends the warning at the first
+    look less than N + 30 s before the limit (measured here): with a 2-minute limit and TERM@60,
+    30 to 60 s into the job, past the start-up and inside epochs 1 to 12 of 16 on 2 cores.
+    Every task stops after the same step, the script requeues the job, and the job, given a
+    longer limit while it waits, goes on from that step to the last epoch, each logged once."""
+    job, run, output = submit(cluster, tmp_path, epochs=16, limit=("00:02:00", 60))
+    fields = wait_for(cluster, job, output, lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1",
+                      "the requeue", timeout=240)
+    # Not again in the second attempt: what a user would do for a job that needs more time.
+    cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
     # It starts again by itself, cred_expire + 1 seconds after the requeue (16 s here, 121 s by default).
     fields = wait_for(cluster, job, output, lambda f: f["JobState"] == "COMPLETED", "the end")
     log = output.read_text()
@@ -102,11 +115,10 @@ def test_a_sigterm_requeues_the_job_which_ends_after_its_last_epoch(cluster, tmp
     stops = re.findall(r"stopped: SIGTERM: every process stopped after step (\d+) of epoch (\d+)", log)
     assert len(stops) == TASKS and len(set(stops)) == 1, log[-4000:]  # every task, after the same step
     step, epoch = map(int, stops[0])
-    assert epoch == 2, log[-4000:]
+    assert f"epoch {epoch} goes on after step {step}" in log, log[-4000:]
     assert not [line for line in log.splitlines() if line.startswith("error:")], log[-4000:]  # srun's own are "srun: error:"
-    assert f"goes on after step {step}" in log, log[-4000:]
-    assert [m["epoch"] for m in metrics(run)] == [1, 2]  # each epoch logged once
-    assert load_checkpoint(run / "last.pth")["epoch"] == 2
+    assert [m["epoch"] for m in metrics(run)] == list(range(1, 17))  # each epoch logged once
+    assert load_checkpoint(run / "last.pth")["epoch"] == 16
 
 
 @pytest.mark.slow
