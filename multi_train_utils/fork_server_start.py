@@ -6,7 +6,9 @@ and its workers running for ever: each worker holds the server's liveness pipe o
 torch's watchdog in a worker watches the worker's parent, which is the server.
 
 A SIGTERM sent to the whole job (SLURM, `kill -TERM -PGID`) is the training process's to act
-on: the server ignores it, or the next loader worker it should fork would fail the run."""
+on: the server ignores it, or the next loader worker it should fork would fail the run. It
+ignores it from its start (start_method starts it so), and leave_sigterm_to keeps it so for
+the server's children."""
 from multi_train_utils.distributed_utils import die_with_parent
 from multi_train_utils.helper_signals import leave_sigterm_to
 
