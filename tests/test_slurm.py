@@ -104,8 +104,8 @@ def test_the_time_limits_warning_requeues_the_job_which_ends_after_its_last_epoc
     Every task stops after the same step, the script requeues the job, and the job, given a
     longer limit while it waits, goes on from that step to the last epoch, each logged once."""
     job, run, output = submit(cluster, tmp_path, epochs=16, limit=("00:02:00", 60))
-    fields = wait_for(cluster, job, output, lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1",
-                      "the requeue", timeout=240)
+    wait_for(cluster, job, output, lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1", "the requeue",
+             timeout=240)
     # Not again in the second attempt: what a user would do for a job that needs more time.
     cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
     # It starts again by itself, cred_expire + 1 seconds after the requeue (16 s here, 121 s by default).
