@@ -278,3 +278,7 @@ def unwrapped(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]

@@ -5,7 +5,7 @@
 
 A run folder gets curves.png, class_distribution.png and augmented_samples.png, and from its
 evaluation report confusion_matrix.png and mistakes.png. A training run draws them in a process
-beside it (multi_train_utils/plotter.py: the data's pictures once its split is recorded, the
+beside it (outputs/plotter.py: the data's pictures once its split is recorded, the
 rest at its end), and this command redraws them from the run's metrics.jsonl, split.json and
 report.json. Without matplotlib the plots are skipped with a message and training is unaffected.
 """

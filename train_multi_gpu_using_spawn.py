@@ -31,25 +31,30 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
+# The data-parallel core: the lesson, with this file (docs/how-it-works.md walks through it).
 from model import cpu_sync_batchnorm
-from multi_train_utils.check import check
-from multi_train_utils.config import read_command_line
+from multi_train_utils.config import check_and_list_images, read_command_line
 from multi_train_utils.distributed_utils import init_distributed, join_processes, passing_sigterm_on
-from multi_train_utils.faults import handling_sigterm_and_faults
 from multi_train_utils.loaders import build_datasets
-from multi_train_utils.preemption import exit_75_on_sigterm
-from multi_train_utils.rendezvous import Rendezvous, host_store
-from multi_train_utils.report import write_report
 from multi_train_utils.resume import restore_training
-from multi_train_utils.run_folder import RunFiles, open_run_folder
-from multi_train_utils.train_eval_utils import build_model, build_optimizer, evaluate_epoch, train_one_epoch
+from multi_train_utils.train_eval_utils import (build_model, build_optimizer, evaluate_epoch,
+                                               take_rank0_batchnorm_statistics, train_one_epoch)
+# The machinery around it: what a cluster does to a run, and what rank 0 writes.
+from cluster.check import check
+from cluster.faults import handling_sigterm_and_faults
+from cluster.preemption import exit_75_on_sigterm
+from outputs.report import evaluate_only, report_on_best
+from outputs.run_folder import RunFiles, create_run_folder, read_resume_checkpoint
+from processes.rendezvous import Rendezvous, host_store
 from utils import exit_on_error
 
 
 def main() -> None:
     with exit_on_error():
-        plan = read_command_line("spawn", __doc__)  # parsed and checked, images listed, the processes counted
-        args = plan.args
+        args = read_command_line("spawn", __doc__)
+        # Before any process starts: the options checked, the images downloaded (--download) and listed,
+        # the processes counted.
+        plan = check_and_list_images(args, "spawn")
         # The processes meet at a store this launcher hosts: at --dist-url or MASTER_ADDR:MASTER_PORT,
         # else at a free port on 127.0.0.1.
         store = host_store(args)
@@ -83,8 +88,9 @@ def train(plan, ctx) -> None:
     this process's rank, device and whether a process group exists."""
     args = plan.args
     began = time.perf_counter()
-    # broadcast: rank 0 creates the run folder and finds --resume auto's checkpoint; every rank reads that file.
-    output_dir, checkpoint = open_run_folder(plan, ctx)
+    output_dir = create_run_folder(plan, ctx)  # broadcast: rank 0 creates it (and prints the configuration)
+    # --resume's checkpoint, read by every rank (a broadcast under --resume auto: whether rank 0 found last.pth).
+    checkpoint = read_resume_checkpoint(args, output_dir, ctx)
     with handling_sigterm_and_faults(output_dir, ctx) as sigterm:  # SIGTERM a request; a lost peer named
         # all_gather: the unreadable files each rank found, so all split alike (a barrier with --cache,
         # an all_reduce with --device-augment).
@@ -97,7 +103,7 @@ def train(plan, ctx) -> None:
         model = build_model(args, len(data.class_names), ctx)  # seeded: the same initial weights on every rank
         if args.eval_only:
             # all_reduce and all_gather: the weights --resume or --weights gives, evaluated; their report.
-            write_report(model, val_loader, data, output_dir, args, ctx, checkpoint=checkpoint)
+            evaluate_only(model, checkpoint, val_loader, data, output_dir, args, ctx)
             return
         if checkpoint:
             model.load_state_dict(checkpoint["model"])
@@ -122,29 +128,37 @@ def train(plan, ctx) -> None:
 
         best = None
         files = RunFiles(output_dir, plan, data.split, data.root, progress, model_without_ddp, optimizer, scaler, ema,
-                         ctx, began) if ctx.is_main else None  # rank 0's files, written beside the training
-        with files or nullcontext():
+                         ctx, began) if ctx.is_main else None
+        with files or nullcontext():  # rank 0: config.json and the split written now, each epoch's files beside the training
             for epoch in range(progress.epoch + 1, progress.last_epoch + 1):
-                # broadcast: under --time-budget, rank 0's clock decides for every rank whether this epoch runs.
-                if args.time_budget and progress.out_of_time(epoch, args, train_loader, output_dir, ctx):
-                    break
+                if args.time_budget:
+                    # broadcast, once epoch 1 has run: rank 0's count of the epochs that fit (the crops follow it).
+                    progress.fit_epochs_to_budget(args, train_loader, output_dir, ctx)
+                    # broadcast: rank 0's clock decides for every rank whether this epoch runs.
+                    if not progress.budget_allows(epoch, args, ctx):
+                        break
                 train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
                 # all_reduce: DDP's of the gradients in every backward(), a small one every 20 steps (a NaN
-                # loss or a SIGTERM on any rank stops them all), and the epoch's loss and accuracy.
+                # loss or a SIGTERM on any rank stops them all), and the epoch's loss and accuracy. On a GPU the
+                # step is a CUDA graph, replayed after a few eager steps (--cuda-graph off: always the eager one).
                 train_stats = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress,
                                               args, ctx, ema, sigterm)
                 if train_stats["stopped_after"]:  # SIGTERM: every rank stopped after the same step
                     sigterm.save_position_and_exit(files, epoch, progress, train_stats)  # barrier, then exit 75
-                # broadcast of rank 0's BatchNorm statistics, then all_reduce: exact, every image once.
+                # broadcast: rank 0's BatchNorm statistics into every rank's model (and --ema's average).
+                take_rank0_batchnorm_statistics(model_without_ddp, ema, ctx)
+                # all_reduce: exact, every image once (after a broadcast of --bn-recalibrate's statistics).
                 evaluated = evaluate_epoch(model_without_ddp, val_loader, args, ctx, ema, data.recalibrate)
-                is_best = evaluated.acc > progress.best_acc
+                is_best = evaluated.better_acc > progress.best_acc
                 if is_best:
                     best = (epoch, evaluated)
-                progress.finish_epoch(epoch, evaluated.acc, train_stats, evaluated.seconds)
-                if ctx.is_main:  # rank 0 alone saves; the others go on to their next collective
+                progress.finish_epoch(epoch, evaluated.better_acc, train_stats, evaluated.seconds)
+                # Rank 0 alone saves (torch.save, on a thread: save_atomic() in multi_train_utils/checkpoint.py);
+                # the others go on to their next collective.
+                if ctx.is_main:
                     files.save_epoch(epoch, progress, train_stats, evaluated, is_best)
             # all_reduce and all_gather: best.pth's report, from the outputs its epoch kept (a broadcast if it reloads).
-            write_report(model_without_ddp, val_loader, data, output_dir, args, ctx, best=best)
+            report_on_best(model_without_ddp, val_loader, data, output_dir, args, ctx, best)
 
 
 

@@ -23,24 +23,26 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from multi_train_utils.check import check
-from multi_train_utils.config import read_command_line
+# The data-parallel core: the lesson, with this file (docs/how-it-works.md walks through it).
+from multi_train_utils.config import check_and_list_images, read_command_line
 from multi_train_utils.distributed_utils import setup_single
-from multi_train_utils.faults import handling_sigterm_and_faults
 from multi_train_utils.loaders import build_datasets
-from multi_train_utils.preemption import exit_75_on_sigterm
-from multi_train_utils.report import write_report
 from multi_train_utils.resume import restore_training
-from multi_train_utils.run_folder import RunFiles, open_run_folder
 from multi_train_utils.train_eval_utils import build_model, build_optimizer, evaluate_epoch, train_one_epoch
+# The machinery around it: what a cluster does to a run, and what rank 0 writes.
+from cluster.check import check
+from cluster.faults import handling_sigterm_and_faults
+from cluster.preemption import exit_75_on_sigterm
+from outputs.report import evaluate_only, report_on_best
+from outputs.run_folder import RunFiles, create_run_folder, read_resume_checkpoint
 from utils import exit_on_error
 
 
 def main() -> None:
     with exit_on_error():
         exit_75_on_sigterm()  # a SIGTERM before training: exit 75 (requeue me); during it: a stop at a step
-        plan = read_command_line("single", __doc__)  # parsed and checked, images listed
-        args = plan.args
+        args = read_command_line("single", __doc__)
+        plan = check_and_list_images(args, "single")  # the options checked, the images downloaded (--download) and listed
         if args.check:
             sys.exit(check(plan, None))
         train(plan, setup_single(args.device))  # the device, and this process's share of the cores
@@ -52,7 +54,8 @@ def train(plan, ctx) -> None:
     plain arithmetic here (a sum of one) or nothing."""
     args = plan.args
     began = time.perf_counter()
-    output_dir, checkpoint = open_run_folder(plan, ctx)  # the run folder, and --resume's checkpoint
+    output_dir = create_run_folder(plan, ctx)  # and the configuration printed
+    checkpoint = read_resume_checkpoint(args, output_dir, ctx)  # --resume's, or None
     with handling_sigterm_and_faults(output_dir, ctx) as sigterm:  # SIGTERM a request; faults named
         data = build_datasets(plan, checkpoint, ctx)  # the unreadable files left out, the images split
         # A DistributedSampler of one replica: a new order of the training images every epoch,
@@ -62,7 +65,7 @@ def train(plan, ctx) -> None:
 
         model = build_model(args, len(data.class_names), ctx)  # seeded: the same initial weights every run
         if args.eval_only:
-            write_report(model, val_loader, data, output_dir, args, ctx, checkpoint=checkpoint)
+            evaluate_only(model, checkpoint, val_loader, data, output_dir, args, ctx)
             return
         if checkpoint:
             model.load_state_dict(checkpoint["model"])
@@ -78,11 +81,13 @@ def train(plan, ctx) -> None:
 
         best = None
         files = RunFiles(output_dir, plan, data.split, data.root, progress, model_without_ddp, optimizer, scaler, ema,
-                         ctx, began)  # the run's files, written beside the training
-        with files:
+                         ctx, began)
+        with files:  # config.json and the split written now, each epoch's files beside the training
             for epoch in range(progress.epoch + 1, progress.last_epoch + 1):
-                if args.time_budget and progress.out_of_time(epoch, args, train_loader, output_dir, ctx):
-                    break
+                if args.time_budget:
+                    progress.fit_epochs_to_budget(args, train_loader, output_dir, ctx)  # once epoch 1 has run
+                    if not progress.budget_allows(epoch, args, ctx):
+                        break
                 train_sampler.set_epoch(epoch)  # a new shuffle every epoch
                 # Every 20 steps a look: a NaN loss ends the run, a SIGTERM stops it after that step.
                 train_stats = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress,
@@ -90,13 +95,13 @@ def train(plan, ctx) -> None:
                 if train_stats["stopped_after"]:  # SIGTERM
                     sigterm.save_position_and_exit(files, epoch, progress, train_stats)  # exit 75
                 evaluated = evaluate_epoch(model_without_ddp, val_loader, args, ctx, ema, data.recalibrate)
-                is_best = evaluated.acc > progress.best_acc
+                is_best = evaluated.better_acc > progress.best_acc
                 if is_best:
                     best = (epoch, evaluated)
-                progress.finish_epoch(epoch, evaluated.acc, train_stats, evaluated.seconds)
+                progress.finish_epoch(epoch, evaluated.better_acc, train_stats, evaluated.seconds)
                 files.save_epoch(epoch, progress, train_stats, evaluated, is_best)
             # best.pth's report, from the outputs its epoch's evaluation kept.
-            write_report(model_without_ddp, val_loader, data, output_dir, args, ctx, best=best)
+            report_on_best(model_without_ddp, val_loader, data, output_dir, args, ctx, best)
 
 
 if __name__ == "__main__":

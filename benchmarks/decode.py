@@ -14,8 +14,8 @@ import torch
 from torchvision.transforms.v2.functional import resize
 
 from benchmarks.instruments import Run, write_result
-from multi_train_utils.gpu_decode import decode_on_gpu
 from my_dataset import decode, eval_resize
+from speed.gpu_decode import decode_on_gpu
 from utils import cpu_count, list_images
 
 

@@ -5,7 +5,7 @@ benchmark measuring whatever the launchers would run today.
 """
 from __future__ import annotations
 
-from multi_train_utils.config import Plan, get_args_parser, prepare
+from multi_train_utils.config import Plan, get_args_parser, check_and_list_images
 
 # Project options that turn each of our configurations on; `ours` is the defaults as they are.
 OURS_OPTIONS = {"ours": [], "ours-compile": ["--compile"], "ours-cache": ["--cache"],
@@ -22,7 +22,7 @@ _PROG = "benchmark"  # the launcher name the project's parser and `prepare` are 
 def ours_plan(data_path: str, img_size: int, batch_size: int, options: list[str]) -> Plan:
     """The project's defaults plus `options`, checked, with the image list, as a launcher sees them."""
     base = ["--data-path", data_path, "--img-size", str(img_size), "--batch-size", str(batch_size)]
-    return prepare(get_args_parser(_PROG).parse_args(base + options), _PROG, verbose=False)
+    return check_and_list_images(get_args_parser(_PROG).parse_args(base + options), _PROG, verbose=False)
 
 
 def missing_option(config: str) -> str | None:

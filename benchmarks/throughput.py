@@ -36,10 +36,10 @@ from multi_train_utils.distributed_utils import (
     stop,
     teardown,
 )
-from multi_train_utils.rendezvous import Rendezvous, keep_gloo_on_loopback, store_listening_on
 from multi_train_utils.loaders import loaders_of, readable_split
 from multi_train_utils.progress import Progress
 from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
+from processes.rendezvous import Rendezvous, keep_gloo_on_loopback, store_listening_on
 from utils import DataSplit, UserError, exit_on_error
 
 JOB_TIMEOUT_SECONDS = 1200  # one measurement; a hung process group must not stall the whole benchmark

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from multi_train_utils.budget import BUDGET_MOST_EPOCHS, DEFAULT_EPOCHS, budget_seconds
-from multi_train_utils.checkpoint import load_checkpoint, read_state_dict
-from multi_train_utils.cuda_graph import blockers
-from multi_train_utils.distributed_utils import parse_device, resolve_device
-from multi_train_utils.rendezvous import Rendezvous, env_ranks, parse_dist_url
 from model import DEFAULT_MODEL, check_model_name
+from multi_train_utils.checkpoint import load_checkpoint, read_state_dict
+from multi_train_utils.distributed_utils import parse_device, resolve_device
 from my_dataset import AUTO_AUGMENT, CROP_SCALE
+from processes.rendezvous import Rendezvous, env_ranks, parse_dist_url
+from recipe.budget import BUDGET_MOST_EPOCHS, DEFAULT_EPOCHS, budget_seconds
+from speed.cuda_graph import blockers
 from utils import Sample, UserError, download_flower_photos, given_split, list_given_split, list_images
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -227,15 +227,16 @@ class Plan:
     val_files: frozenset[str] | None = None  # a folder split already: its val/ images; None: --val-rate draws them
 
 
-def read_command_line(launcher: str, description: str) -> Plan:
-    """The command line of `launcher` ("single", "launch" or "spawn") parsed (--help and a
-    malformed option end here, as argparse ends them), then `prepare`d."""
-    return prepare(get_args_parser(description.splitlines()[0], launcher).parse_args(), launcher)
+def read_command_line(launcher: str, description: str) -> argparse.Namespace:
+    """The command line of `launcher` ("single", "launch" or "spawn"), parsed: --help and a
+    malformed option end here, as argparse ends them."""
+    return get_args_parser(description.splitlines()[0], launcher).parse_args()
 
 
-def prepare(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Plan:
-    """Check the command line and list the images before any collective, so that a user
-    mistake is one clear error in every process, never a hung job. The torchrun launcher reads
+def check_and_list_images(args: argparse.Namespace, launcher: str, verbose: bool = True) -> Plan:
+    """Check the command line, download the flower photos (--download, where the folder is
+    missing) and list every image, before any collective, so that a user mistake is one clear
+    error in every process, never a hung job. The torchrun launcher reads
     who this process is from torchrun's (or srun's) environment here, and checks --world-size
     against it; the spawn launcher, how many processes to start. `verbose`: this process may
     print (the first of each machine does)."""

@@ -7,7 +7,6 @@ exists, so the single-process path runs the same code as DDP.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import dataclasses
 import datetime
@@ -29,9 +28,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import Sampler
 
-from multi_train_utils import attempt_store
-from multi_train_utils.helper_signals import ForkWithSigtermBlocked, sigterm_ignored_in_new_programs
-from multi_train_utils.rendezvous import (
+from processes import attempt_store
+from processes.helper_signals import ForkWithSigtermBlocked, sigterm_ignored_in_new_programs
+from processes.rendezvous import (
     CHECK_ADVICE,
     JOIN_REPORT_SECONDS,
     Rendezvous,
@@ -240,7 +239,7 @@ def start_method(ctx: DistContext) -> multiprocessing.context.BaseContext:
     if fixed or not (ctx.distributed or ctx.device.type == "cuda"):
         return ForkWithSigtermBlocked()
     server = multiprocessing.get_context("forkserver")
-    server.set_forkserver_preload(["multi_train_utils.fork_server_start", "torch", "torchvision", "my_dataset",
+    server.set_forkserver_preload(["processes.fork_server_start", "torch", "torchvision", "my_dataset",
                                    "multi_train_utils.loaders", "plots"])
     # Now: it imports those while this process goes on. Ignoring SIGTERM from its start, not
     # only from fork_server_start on (seconds of imports later): a SIGTERM meant for the job
@@ -249,14 +248,6 @@ def start_method(ctx: DistContext) -> multiprocessing.context.BaseContext:
     with sigterm_ignored_in_new_programs():
         multiprocessing.forkserver.ensure_running()
     return server
-
-
-def die_with_parent() -> None:
-    """End this child process the moment the process that started it ends, however that one
-    ended: otherwise a child orphaned by SIGKILL lingers, holding the job's terminal or log pipe
-    open after the launcher has gone."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
 def keep_inherited_objects() -> None:

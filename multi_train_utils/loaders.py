@@ -16,20 +16,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from multi_train_utils.checkpoint import check_classes
 from multi_train_utils.config import Plan
-from multi_train_utils.device_augment import DeviceAugmentedLoader, device_crops
 from multi_train_utils.distributed_utils import (
     DistContext,
     ShardSampler,
     broadcast_object,
-    die_with_parent,
     keep_inherited_objects,
     gather_objects,
     start_method,
 )
-from multi_train_utils.helper_signals import leave_sigterm_to
-from multi_train_utils.gpu_decode import DeviceBatches, validation_on_device
-from multi_train_utils.image_cache import shared_cache
-from multi_train_utils.recalibrate import BatchNormRecalibration, recalibration
 from my_dataset import (
     CropDraws,
     DeviceCrops,
@@ -42,6 +36,11 @@ from my_dataset import (
     size_schedule,
     train_transforms,
 )
+from processes.helper_signals import die_with_parent, leave_sigterm_to
+from recipe.recalibrate import BatchNormRecalibration, recalibration
+from speed.device_augment import DeviceAugmentedLoader, device_crops
+from speed.gpu_decode import DeviceBatches, validation_on_device
+from speed.image_cache import shared_cache
 from utils import (
     SPLIT_FILE,
     DataSplit,

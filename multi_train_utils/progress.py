@@ -8,7 +8,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from multi_train_utils.budget import (
+from multi_train_utils.distributed_utils import DistContext, broadcast_object
+from recipe.budget import (
     EpochTime,
     budget_message,
     budget_seconds,
@@ -17,7 +18,6 @@ from multi_train_utils.budget import (
     room_for_another,
     run_sizes,
 )
-from multi_train_utils.distributed_utils import DistContext, broadcast_object
 from utils import CONFIG_FILE, read_json, write_json
 
 
@@ -59,36 +59,39 @@ class Progress:
         self.slowest_train = max(self.slowest_train, train_seconds)
         self.best_acc = max(self.best_acc, val_acc)
 
-    def out_of_time(self, epoch: int, args: argparse.Namespace, train_loader: Any, output_dir: Path,
-                    ctx: DistContext) -> bool:
-        """--time-budget, before epoch `epoch`: whether the run ends here. Before epoch 2, epoch 1's
-        time fixes the count of epochs once (rank 0's clock: one decision for every rank, kept in
-        the progress and so in every later checkpoint, and in config.json); the crop sizes of
+    def fit_epochs_to_budget(self, args: argparse.Namespace, train_loader: Any, output_dir: Path,
+                             ctx: DistContext) -> None:
+        """--time-budget, before each epoch: once epoch 1 has run, its time fixes the count of
+        epochs, once (rank 0's clock: one decision for every rank, kept in the progress and so in
+        every later checkpoint, and in config.json, which rank 0 rewrites). The crop sizes of
         progressive resizing (`train_loader`'s keys carry them to the workers) and the learning
-        rate's decay (train_one_epoch reads `budget_epochs`) follow it. Before each later epoch,
-        a guard ends the run when that epoch's training would not fit in what is left.
-        Collectives: a broadcast of rank 0's count, once, and one of its verdict per epoch."""
-        seconds = budget_seconds(args)
+        rate's decay (train_one_epoch reads `budget_epochs`) follow the count, set here. Collective:
+        a broadcast of rank 0's count, once."""
         if self.budget_epochs is None and self.first_epoch is not None:
             fit, first = None, EpochTime(*self.first_epoch)
             if ctx.is_main:
-                fit = epochs_that_fit(seconds, first, most_epochs(args), lambda n: run_sizes(args, n))
+                fit = epochs_that_fit(budget_seconds(args), first, most_epochs(args), lambda n: run_sizes(args, n))
                 print(budget_message(args, fit, first), flush=True)
                 write_json(output_dir / CONFIG_FILE, {**read_json(output_dir / CONFIG_FILE), "budget_epochs": fit})
             self.budget_epochs = self.last_epoch = broadcast_object(fit, ctx)
         if self.budget_epochs is not None:
             train_loader.sampler.sizes = run_sizes(args, self.budget_epochs)
-            if epoch > self.budget_epochs:
-                return True
-        go_on = room_for_another(seconds, self.seconds_used, self.slowest_train) if ctx.is_main else None
-        if broadcast_object(go_on, ctx):
+
+    def budget_allows(self, epoch: int, args: argparse.Namespace, ctx: DistContext) -> bool:
+        """--time-budget, before epoch `epoch`: whether it runs, on every rank. It does not when it
+        is past the count of epochs that fit, or when its training would not fit in what is left
+        (rank 0 then says why). Collective: a broadcast of rank 0's verdict."""
+        if self.budget_epochs is not None and epoch > self.budget_epochs:
             return False
+        go_on = room_for_another(budget_seconds(args), self.seconds_used, self.slowest_train) if ctx.is_main else None
+        if broadcast_object(go_on, ctx):
+            return True
         why = ("before the resume; a larger --time-budget gives the run more time" if epoch == self.resumed_at > 1
                else "the epochs ran slower than epoch 1")
         ctx.print0(f"time budget: {self.seconds_used:.1f}s of --time-budget {args.time_budget} used and an epoch's "
                    f"training takes up to {self.slowest_train:.1f}s: ending after epoch {epoch - 1} of "
                    f"{self.last_epoch} ({why})")
-        return True
+        return False
 
 
 def progress_of(checkpoint: dict[str, Any]) -> Progress:

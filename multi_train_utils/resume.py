@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from multi_train_utils.budget import budget_seconds, most_epochs
-from multi_train_utils.progress import Progress, progress_of
 from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.ema import WeightAverage
+from multi_train_utils.progress import Progress, progress_of
+from recipe.budget import budget_seconds, most_epochs
+from recipe.ema import WeightAverage
 
 
 def restore_training(checkpoint: dict[str, Any] | None, optimizer: torch.optim.Optimizer,

@@ -15,17 +15,17 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from model import freeze_backbone, model_for, set_train_mode, unwrapped
-from multi_train_utils.budget import most_epochs
+from model import batch_norms, freeze_backbone, model_for, set_train_mode, unwrapped
 from multi_train_utils.checkpoint import load_weights
-from multi_train_utils.cuda_graph import graphed_step, use_side_stream, wanted
-from multi_train_utils.progress import Progress
-from multi_train_utils.scaling import ddp_timers
 from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum, broadcast_buffers
-from multi_train_utils.ema import WeightAverage
-from multi_train_utils.mixing import build_mix
-from multi_train_utils.schedule import build_schedule, peak_lr
+from multi_train_utils.progress import Progress
 from my_dataset import normalize
+from recipe.budget import most_epochs
+from recipe.ema import WeightAverage
+from recipe.mixing import build_mix
+from recipe.schedule import build_schedule, peak_lr
+from speed.cuda_graph import graphed_step, use_side_stream, wanted
+from speed.scaling import ddp_timers
 from utils import TrainingDiverged
 
 # Steps between looks at the loss on the host: each look is one small collective and one
@@ -197,8 +197,11 @@ def train_one_epoch(model: nn.Module, criterion: nn.Module, optimizer: torch.opt
         images, labels = feed.input(images), labels.to(ctx.device, non_blocking=True)
         set_lr(optimizer, schedule(step))
         inputs, targets = mix(images, labels, steps_before * args.accum_steps + batch) if mix else (images, labels)
+        # On a GPU by default (--cuda-graph auto): the step below (forward, backward with DDP's
+        # all-reduce, the optimizer's step), captured once after a few eager steps and replayed in
+        # one launch. None: this batch's step runs below (a warm-up step, an epoch's smaller last batch).
         replayed = graph.replay(inputs, targets, model, criterion, optimizer, scaler, feed.amp_dtype,
-                                args.clip_grad_norm) if graph else None  # --cuda-graph: the step below, in one launch
+                                args.clip_grad_norm) if graph else None
         if replayed:
             loss, logits = replayed
         else:
@@ -361,10 +364,6 @@ def validation_outputs(placed: PlacedModel, loader: Iterable) -> Outputs:
     return list(predictions(placed, loader))
 
 
-def batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
-    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-
-
 def batch_norm_statistics(module: nn.Module) -> dict[str, torch.Tensor]:
     """The BatchNorm buffers of `module` (running mean, variance and batch count), by state-dict key."""
     names = {id(m): name for name, m in module.named_modules()}
@@ -385,24 +384,32 @@ class Evaluation:
     seconds: float = 0.0
 
     @property
-    def acc(self) -> float:
-        """The better weights' accuracy, the one best.pth is chosen by."""
+    def better_acc(self) -> float:
+        """The better weights' accuracy (the model's, or --ema's average's if higher): the one
+        best.pth is chosen by."""
         return max(self.val["val_acc"], self.val.get("ema_val_acc", 0.0))
+
+
+def take_rank0_batchnorm_statistics(model: nn.Module, ema: WeightAverage | None, ctx: DistContext) -> None:
+    """Rank 0's BatchNorm statistics (running means and variances) into `model` and --ema's
+    average on every rank. Without --sync-bn each rank's follow its own batches; evaluated with
+    rank 0's, every rank evaluates, and trains on from, the weights rank 0 saves, and the
+    accuracy is the checkpoint's at any world size. Collective: a broadcast of each buffer."""
+    for module in (model, *([ema.module] if ema else [])):
+        broadcast_buffers(module, ctx)
 
 
 def evaluate_epoch(model: nn.Module, loader: Iterable, args: argparse.Namespace, ctx: DistContext,
                    ema: WeightAverage | None = None,
                    recalibrate: Callable[[PlacedModel, DistContext], PlacedModel] | None = None) -> Evaluation:
     """The exact validation metrics of `model` (unwrapped: no DDP, not compiled), and of its
-    weight average when there is one, each prepared by `recalibrate` when asked. Every rank
-    evaluates its own shard. Collectives, per model: a broadcast of rank 0's BatchNorm
-    statistics (every rank evaluates the weights rank 0 saves), and one all_reduce(SUM) of
-    the shard's sums."""
+    weight average when there is one, each prepared by `recalibrate` when asked; which of the
+    two scored higher, and its outputs. Every rank evaluates its own shard. Collective, per
+    model: one all_reduce(SUM) of the shard's sums."""
     started = clock()
     modules = {"model": model, **({"ema": ema.module} if ema else {})}
     done = {}
     for name, module in modules.items():
-        broadcast_buffers(module, ctx)  # rank 0's BatchNorm statistics: every rank evaluates the weights it saves
         feed = placed(module, args, ctx.device)
         if recalibrate:
             feed = recalibrate(feed, ctx)

@@ -24,6 +24,8 @@ import torch
 from PIL import Image
 
 REPO = Path(__file__).resolve().parent.parent
+# The project's packages, in the order of tests/test_layout.py's layers, lowest first.
+PACKAGES = ("processes", "multi_train_utils", "recipe", "speed", "outputs", "cluster", "benchmarks")
 SAMPLE = REPO / "data" / "flower_photos_sample"
 sys.path.insert(0, str(REPO))
 

@@ -18,13 +18,13 @@ import pytest
 import torch
 from conftest import REPO
 
-from multi_train_utils import run_folder
 from multi_train_utils.checkpoint import copy_atomic, load_checkpoint
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import DistContext, keep_inherited_objects
 from multi_train_utils.progress import Progress
-from multi_train_utils.run_folder import CheckpointWriteFailed, RunFiles
 from multi_train_utils.train_eval_utils import Evaluation
+from outputs import run_folder
+from outputs.run_folder import CheckpointWriteFailed, RunFiles
 from utils import DataSplit
 
 TRAIN_STATS = {"train_loss": 1.0, "train_acc": 0.5, "epoch_images": 8, "train_images": 8, "lr": 0.1, "seconds": 1.0,
@@ -68,6 +68,7 @@ def test_a_write_that_fails_raises_in_the_loop(tmp_path):
     """The error of a background write (here: a state torch.save cannot pickle) reaches the
     training loop at its next hand-over, and the previous epoch's files stay."""
     files, progress = run_files(tmp_path, torch.nn.Linear(3, 1))
+    files.__enter__()  # entered as a launcher's `with` enters it; left by hand below, after the failure
     save(files, progress, 1, is_best=False)
     files.args.bad = lambda: None  # the configuration, which every checkpoint holds, no longer pickles
     save(files, progress, 2, is_best=False)
@@ -120,10 +121,20 @@ def test_a_kill_at_any_moment_of_a_write_leaves_whole_files(tmp_path):
         assert all(p.match(".*.pth*.tmp") for p in out.glob(".*"))
 
 
+def test_a_run_files_object_writes_nothing_until_entered(tmp_path):
+    """Made, it has written nothing and started nothing: the run's first files appear when the
+    launcher's `with` enters it."""
+    files, _ = run_files(tmp_path, torch.nn.Linear(3, 1))
+    assert not list(tmp_path.iterdir())
+    with files:
+        assert {"config.json", "class_indices.json", "split.json"} <= {p.name for p in tmp_path.iterdir()}
+
+
 def test_a_full_disk_at_sigterms_save_is_named_too(tmp_path, monkeypatch):
     """torch.save reports a full disk as a RuntimeError from its zip writer, not an OSError:
     the stopped run's save says what failed and the room left, as an epoch's does."""
     files, progress = run_files(tmp_path, torch.nn.Linear(3, 1))
+    files.__enter__()
 
     def full(*_):
         raise RuntimeError("[enforce fail at inline_container.cc:644] . unexpected pos 1984 vs 1872")

@@ -10,8 +10,8 @@ from conftest import FAST, SMALL_MODEL, args_for, call_main, copy_sample, metric
 
 import multi_train_utils.train_eval_utils
 import train_single_gpu
-from multi_train_utils.budget import EpochTime, budget_message, epochs_that_fit, most_epochs, parse_duration, run_sizes
-from multi_train_utils.schedule import build_schedule
+from recipe.budget import EpochTime, budget_message, epochs_that_fit, most_epochs, parse_duration, run_sizes
+from recipe.schedule import build_schedule
 
 
 def test_durations():

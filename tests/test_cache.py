@@ -11,11 +11,11 @@ import torch
 import torch.multiprocessing as mp
 from conftest import SAMPLE, kill_group, metrics, ok, processes_with_marker, start_job, train_here, wait_for_epochs
 
-from multi_train_utils import image_cache
 from multi_train_utils.distributed_utils import DistContext, init_distributed, teardown
-from multi_train_utils.rendezvous import Rendezvous, find_free_port
-from multi_train_utils.image_cache import SharedImageCache, check_cache_room
-from multi_train_utils.device_augment import check_device_room
+from processes.rendezvous import Rendezvous, find_free_port
+from speed import image_cache
+from speed.device_augment import check_device_room
+from speed.image_cache import SharedImageCache, check_cache_room
 from utils import UserError, list_images, load_rgb
 
 SINGLE = DistContext.single()

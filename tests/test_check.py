@@ -14,7 +14,8 @@ from conftest import FAST, SAMPLE, call_main, kill_group, launcher_cmd, run_cli,
 
 import train_multi_gpu_using_launch
 import train_single_gpu
-from multi_train_utils.check_rows import (
+from cluster.check import StageTimeout, bounded
+from cluster.check_rows import (
     FAIL,
     OK,
     WARN,
@@ -36,8 +37,7 @@ from multi_train_utils.check_rows import (
     p2p_row,
     sum_row,
 )
-from multi_train_utils.check import StageTimeout, bounded
-from multi_train_utils.rendezvous import find_free_port
+from processes.rendezvous import find_free_port
 
 
 def as_srun_rank(rank: int, world_size: int, port: int) -> dict[str, str]:

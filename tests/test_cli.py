@@ -16,8 +16,8 @@ import train_multi_gpu_using_launch
 import train_multi_gpu_using_spawn
 import train_single_gpu
 import utils
-from multi_train_utils import image_cache
 from multi_train_utils.config import get_args_parser
+from speed import image_cache
 
 
 def parse(*argv: str):

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from conftest import REPO
 
-from multi_train_utils import check, faults
+from cluster import check, faults
+from cluster.faults import FaultWatch, handling_sigterm_and_faults, process_id_view, started_at
 from multi_train_utils.checkpoint import save_atomic
 from multi_train_utils.distributed_utils import DistContext, init_distributed, resolve_device, start_method
-from multi_train_utils.faults import FaultWatch, handling_sigterm_and_faults, process_id_view, started_at
-from multi_train_utils.image_cache import machine_index
 from multi_train_utils.loaders import start_worker
-from multi_train_utils.rendezvous import Rendezvous, find_free_port
+from processes.rendezvous import Rendezvous, find_free_port
+from speed.image_cache import machine_index
 from utils import Preempted, UserError
 
 
@@ -40,7 +40,7 @@ def rank_of_two(rank: int, store: dist.Store) -> DistContext:
 
 
 def view_in(*prefix: str) -> str:
-    code = "from multi_train_utils.faults import process_id_view; print(process_id_view())"
+    code = "from cluster.faults import process_id_view; print(process_id_view())"
     return subprocess.run([*prefix, sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           check=True).stdout.strip()
 

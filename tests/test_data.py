@@ -17,7 +17,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 import my_dataset
-from multi_train_utils.config import prepare
+from multi_train_utils.config import check_and_list_images
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.loaders import loaders_of, readable_split
 from multi_train_utils.train_eval_utils import model_input
@@ -222,7 +222,7 @@ def test_batches_from_workers_are_the_batches_loaded_in_turn():
     loaded, epoch after epoch, a resumed epoch's rest (its first two batches skipped) and the
     validation passes between them included."""
     def passes(workers: str) -> list[list[torch.Tensor]]:
-        plan = prepare(args_for("--workers", workers, "--batch-size", "16", "--img-size", "32"), "test", verbose=False)
+        plan = check_and_list_images(args_for("--workers", workers, "--batch-size", "16", "--img-size", "32"), "test", verbose=False)
         ctx = DistContext.single()
         train_loader, val_loader, train_sampler = loaders_of(readable_split(plan, ctx), plan, ctx)
         train_loader.sampler.skip_next_pass(32)  # epoch 1 resumed after two batches, as restore_training does

@@ -11,12 +11,12 @@ import torch.multiprocessing as mp
 from conftest import args_for
 from torchvision.transforms.v2 import functional as TF
 
-from multi_train_utils.config import prepare
+from multi_train_utils.config import check_and_list_images
 from multi_train_utils.distributed_utils import DistContext, init_distributed, teardown
-from multi_train_utils.rendezvous import Rendezvous, find_free_port
-from multi_train_utils.device_augment import DeviceAugmentedLoader, check_device_room
 from multi_train_utils.loaders import loaders_of, readable_split
 from my_dataset import CropDraws, DeviceCrops, MyDataSet, normalize, train_transforms
+from processes.rendezvous import Rendezvous, find_free_port
+from speed.device_augment import DeviceAugmentedLoader, check_device_room
 from utils import UserError
 
 SINGLE = DistContext.single()
@@ -47,7 +47,7 @@ def test_a_crop_is_torchvisions_resized_crop_and_flip(box, flip, size):
 
 
 def loaders(*argv: str):
-    plan = prepare(args_for("--workers", "0", "--batch-size", "8", *argv), "test", verbose=False)
+    plan = check_and_list_images(args_for("--workers", "0", "--batch-size", "8", *argv), "test", verbose=False)
     split = readable_split(plan, SINGLE)
     return plan, split, *loaders_of(split, plan, SINGLE)  # the training and validation loaders, the sampler
 
@@ -97,7 +97,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ctx = init_distributed(Rendezvous(rank, rank, 2, 2), "cpu", "gloo", 120)
     try:
-        plan = prepare(args_for("--workers", "0", "--batch-size", "8", "--img-size", "32", "--device-augment"), "t",
+        plan = check_and_list_images(args_for("--workers", "0", "--batch-size", "8", "--img-size", "32", "--device-augment"), "t",
                        verbose=False)
         loader, _, sampler = loaders_of(readable_split(plan, ctx), plan, ctx)
         sampler.set_epoch(1)

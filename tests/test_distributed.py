@@ -17,16 +17,16 @@ from conftest import FAST, REPO, SAMPLE, SMALL_MODEL, args_for, launcher_cmd, me
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import cpu_sync_batchnorm, create_model
-from multi_train_utils.checkpoint import REQUIRED_KEYS, load_checkpoint
-from multi_train_utils.config import prepare
-from multi_train_utils.scaling import ScalingTally, ddp_timers
 from multi_train_utils import distributed_utils
+from multi_train_utils.checkpoint import REQUIRED_KEYS, load_checkpoint
+from multi_train_utils.config import check_and_list_images
 from multi_train_utils.distributed_utils import DistContext, ShardSampler, init_distributed, teardown
-from multi_train_utils.rendezvous import Rendezvous, find_free_port
 from multi_train_utils.loaders import loaders_of, readable_split
 from multi_train_utils.progress import Progress
 from multi_train_utils.train_eval_utils import build_optimizer, train_one_epoch
 from my_dataset import MyDataSet, build_transform, normalize
+from processes.rendezvous import Rendezvous, find_free_port
+from speed.scaling import ScalingTally, ddp_timers
 from utils import TrainingDiverged, list_images, load_split
 
 METRIC_KEYS = {"epoch", "train_loss", "train_total", "val_loss", "val_acc", "val_correct", "val_total", "lr",
@@ -136,7 +136,7 @@ def test_each_training_image_is_drawn_once_an_epoch_less_the_dropped_plus_the_pa
     """The training loaders of all ranks together: each image once an epoch, except that the
     DistributedSampler repeats the first images of its shuffle until every rank has as many, and a
     rank's last batch is dropped when shorter than --batch-size (while the shard is longer than one)."""
-    plan = prepare(args_for("--workers", "0", "--batch-size", "8"), "test", verbose=False)
+    plan = check_and_list_images(args_for("--workers", "0", "--batch-size", "8"), "test", verbose=False)
     split = readable_split(plan, DistContext.single())
     n, per_rank = len(split.train), -(-len(split.train) // world_size)  # 95, and ceil(95 / world_size)
     padding, kept = world_size * per_rank - n, per_rank - per_rank % 8

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from conftest import FAST, SAMPLE, SMALL_MODEL, child_pids, kill_group, launcher_cmd, run_cli, start
 
-from multi_train_utils.plotter import Plotter
-from multi_train_utils import check
-from multi_train_utils.rendezvous import Rendezvous, find_free_port, meeting_store, not_local_problem, store_host
+from cluster import check
+from outputs.plotter import Plotter
+from processes.rendezvous import Rendezvous, find_free_port, meeting_store, not_local_problem, store_host
 
 TRAIN = ["--data-path", str(SAMPLE), *FAST, "--epochs", "1"]
 

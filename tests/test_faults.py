@@ -34,8 +34,8 @@ from conftest import (
 import train_single_gpu
 from model import create_model
 from multi_train_utils.checkpoint import Progress, load_checkpoint, make_checkpoint, save_atomic
-from multi_train_utils.rendezvous import Rendezvous, find_free_port
 from multi_train_utils.distributed_utils import init_distributed, teardown
+from processes.rendezvous import Rendezvous, find_free_port
 
 def _save_forever(path: str) -> None:
     ramp = torch.arange(4_000_000, dtype=torch.float64)  # 32 MB: each save takes a while, so kills land mid-write

@@ -25,14 +25,14 @@ from conftest import SAMPLE, call_main, kill_group, launcher_cmd, metrics, ok, r
 import predict
 from model import create_model
 from multi_train_utils.checkpoint import load_checkpoint
-from multi_train_utils.config import get_args_parser, prepare
+from multi_train_utils.config import get_args_parser, check_and_list_images
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.loaders import loaders_of, readable_split
 from multi_train_utils.progress import Progress
-from multi_train_utils.cuda_graph import graphed_step
-from multi_train_utils.gpu_decode import DeviceBatches, decode_on_gpu
 from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
 from my_dataset import DeviceCrops, decode
+from speed.cuda_graph import graphed_step
+from speed.gpu_decode import DeviceBatches, decode_on_gpu
 from utils import list_images
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.slow,
@@ -66,7 +66,7 @@ def test_the_ddp_launchers_train_on_one_gpu(launcher, tmp_path):
 
 def test_batches_travel_pinned_as_uint8_and_become_float_on_the_gpu():
     args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *ON_GPU])
-    plan = prepare(args, "test", verbose=False)
+    plan = check_and_list_images(args, "test", verbose=False)
     ctx = DistContext.single(CUDA)
     train_loader, _, sampler = loaders_of(readable_split(plan, ctx), plan, ctx)
     sampler.set_epoch(1)
@@ -103,7 +103,7 @@ def test_device_augment_cuts_on_the_gpu_what_it_cuts_on_the_cpu(tmp_path):
     Pillow: the squares land within a few grey levels, the frames are the same. Given the same pixels and draws, the GPU's crops
     are the CPU's (bilinear sampling in fp32 on either); and a run with them trains."""
     args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *ON_GPU, "--device-augment"])
-    plan = prepare(args, "test", verbose=False)
+    plan = check_and_list_images(args, "test", verbose=False)
     loaders = {}
     for device in (CUDA, torch.device("cpu")):
         ctx = DistContext.single(device)

@@ -12,10 +12,10 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from conftest import SAMPLE, args_for, user_error
-from multi_train_utils import cuda_graph
 from multi_train_utils.distributed_utils import DistContext, ShardSampler
-from multi_train_utils.gpu_decode import decode_on_gpu, nvjpeg_reads, validation_on_device
 from my_dataset import MyDataSet, build_transform, eval_resize
+from speed import cuda_graph
+from speed.gpu_decode import decode_on_gpu, nvjpeg_reads, validation_on_device
 import train_single_gpu
 from utils import list_images
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import PACKAGES, REPO
 
 from multi_train_utils.config import get_args_parser
 
@@ -63,7 +63,7 @@ MIN_LITERAL = 12  # characters a code string must fix for an output line to coun
 
 def source_files(root: Path) -> list[Path]:
     """The project's Python files, the tests included (a page may name a test)."""
-    return [*root.glob("*.py"), *root.glob("multi_train_utils/*.py"), *root.glob("benchmarks/*.py"),
+    return [*root.glob("*.py"), *(path for package in PACKAGES for path in root.glob(f"{package}/*.py")),
             *root.glob("tests/*.py")]
 
 
@@ -538,9 +538,9 @@ def test_readme_links_the_page_on_its_first_screen():
     (("`RunData.loaders()`", "`RunData.train_loaders()`"), "`RunData.train_loaders()`: no such member"),
     (("`train_eval_utils.CHECK_EVERY`", "`train_eval_utils.CHECK_EVERY_STEPS`"), "not defined at the top"),
     (("`torch.optim.SGD`", "`torch.optim.SGDM`"), "not in torch"),
-    (("`multi_train_utils/report.py`", "`multi_train_utils/reports.py`"), "no such file"),
-    (("`save_atomic()` in `multi_train_utils/checkpoint.py` writes", "`save_atomic()` in `multi_train_utils/run_folder.py` writes"),
-     "`save_atomic()` is not defined in `multi_train_utils/run_folder.py`"),
+    (("`outputs/report.py`", "`multi_train_utils/reports.py`"), "no such file"),
+    (("`save_atomic()` in `multi_train_utils/checkpoint.py` writes", "`save_atomic()` in `outputs/run_folder.py` writes"),
+     "`save_atomic()` is not defined in `outputs/run_folder.py`"),
     (("build_datasets()              multi_train_utils/loaders.py", "build_datasets()              multi_train_utils/config.py"),
      "map: build_datasets() is in none of multi_train_utils/config.py"),
     (("--img-size 32 --no-plots --output-dir runs/tour\n", "--img-sise 32 --no-plots --output-dir runs/tour\n"),
@@ -565,8 +565,8 @@ def test_readme_links_the_page_on_its_first_screen():
       "    torch.nn.parallel.DistributedDataParallel()                           the wrap\n"),
      "map: train() does not call torch.nn.parallel.DistributedDataParallel() after build_optimizer()"),
     # a call said to be made where it is not (the optimizer's step is train_one_epoch's, not evaluate_epoch's).
-    (("      broadcast_buffers()         multi_train_utils/distributed_utils.py\n",
-      "      broadcast_buffers()         multi_train_utils/distributed_utils.py\n"
+    (("      all_reduce_sum()            multi_train_utils/distributed_utils.py  one all-reduce\n",
+      "      all_reduce_sum()            multi_train_utils/distributed_utils.py  one all-reduce\n"
       "      torch.amp.GradScaler.step()\n"), "map: evaluate_epoch() does not call torch.amp.GradScaler.step()"),
     # A skeleton call put in a function that does not make it.
     (("| `torch.nn.parallel.DistributedDataParallel.no_sync()` | `train_one_epoch()`",
@@ -598,7 +598,7 @@ def test_renaming_a_function_in_the_code_fails_the_page(page, tmp_path):
         copy.write_text(path.read_text().replace("def env_ranks(", "def ranks_from_environment("))
     problems = problems_of(page, Code(tmp_path))
     assert "`env_ranks()`: defined nowhere in the project" in problems, problems
-    assert "map: env_ranks() is in none of multi_train_utils/rendezvous.py" in problems, problems
+    assert "map: env_ranks() is in none of processes/rendezvous.py" in problems, problems
 
 
 def test_commands_are_split_as_a_shell_splits_them():

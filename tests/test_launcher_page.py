@@ -4,6 +4,7 @@ torch's own calls for the steps of data-parallel training, written in the launch
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,12 @@ from test_layout import project_modules
 # objects, lines. The spawn launcher adds what starting processes takes (the store it hosts,
 # SIGTERM passed on, the processes joined, each worker's rendezvous): four names more. Each
 # counts exit_75_on_sigterm, its first line: a SIGTERM before training is a stop to requeue too.
-LIMITS = {"train_multi_gpu_using_launch.py": (16, 8, 250), "train_single_gpu.py": (16, 8, 250),
-          "train_multi_gpu_using_spawn.py": (20, 8, 250)}
+# Each name does one thing, and says which (no function with two modes, no constructor with side
+# effects): the command line parsed, then checked and its images listed; the run folder created,
+# then --resume's checkpoint read; rank 0's BatchNorm statistics taken, then the evaluation;
+# --eval-only's evaluation, or the end of a run's report. The single launcher takes no statistics.
+LIMITS = {"train_multi_gpu_using_launch.py": (20, 8, 250), "train_single_gpu.py": (18, 8, 250),
+          "train_multi_gpu_using_spawn.py": (24, 8, 250)}
 
 
 def project_names(path: Path) -> list[str]:
@@ -94,3 +99,58 @@ def test_the_counts_see_what_they_count(tmp_path):
                      .replace("    began = time.perf_counter()\n", "    began = time.perf_counter()\n    read_json(plan.extra())\n"))
     assert set(project_names(grown)) - set(project_names(REPO / "train_multi_gpu_using_launch.py")) == {"read_json"}
     assert set(project_methods(grown)) - set(project_methods(REPO / "train_multi_gpu_using_launch.py")) == {"extra"}
+
+
+# The eight steps of data-parallel training, and where a reader of the torchrun launcher finds
+# each: the file, the function (None: the launcher's page itself) and torch's call there.
+LAUNCHER = "train_multi_gpu_using_launch.py"
+EIGHT_STEPS = [
+    ("join the process group", "multi_train_utils/distributed_utils.py", "init_distributed", "dist.init_process_group("),
+    ("the sampler", LAUNCHER, None, "DistributedSampler("),
+    ("its set_epoch", LAUNCHER, None, "train_sampler.set_epoch(epoch)"),
+    ("SyncBatchNorm", LAUNCHER, None, "nn.SyncBatchNorm.convert_sync_batchnorm(model)"),
+    ("the DDP wrap", LAUNCHER, None, "DDP(model"),
+    ("backward", "multi_train_utils/train_eval_utils.py", "train_one_epoch", ".backward()"),
+    ("the optimizer's step", "multi_train_utils/train_eval_utils.py", "train_one_epoch", "scaler.step(optimizer)"),
+    ("the metrics' all_reduce", "multi_train_utils/train_eval_utils.py", "train_one_epoch", "all_reduce_sum("),
+    ("the metrics' all_reduce", "multi_train_utils/distributed_utils.py", "all_reduce_sum", "dist.all_reduce("),
+    ("rank 0's save", LAUNCHER, None, "if ctx.is_main:"),
+    ("rank 0's save", "multi_train_utils/checkpoint.py", "save_atomic", "torch.save("),
+    ("destroy", LAUNCHER, None, "dist.destroy_process_group()"),
+]
+
+
+def function_source(path: str, name: str) -> str:
+    source = (REPO / path).read_text()
+    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == name)
+    return ast.get_source_segment(source, node)
+
+
+def eight_steps_path() -> tuple[list[str], int]:
+    """The core files a reader of the torchrun launcher opens for the eight steps, and the lines
+    read: the launcher whole, and each function the steps send them to."""
+    functions = {(path, name) for _, path, name, _ in EIGHT_STEPS if name}
+    read = len((REPO / LAUNCHER).read_text().splitlines())
+    read += sum(len(function_source(path, name).splitlines()) for path, name in functions)
+    return sorted({path for path, _ in functions}), read
+
+
+def test_the_eight_steps_are_in_the_launcher_and_three_files_of_the_core():
+    """Init, the sampler and set_epoch, SyncBatchNorm, the wrap, backward and the optimizer's
+    step, the metrics' all_reduce, rank 0's save and the teardown: each where the table says,
+    in at most 3 files of multi_train_utils/ and 400 lines read (the page states the figure)."""
+    for step, path, name, call in EIGHT_STEPS:
+        source = function_source(path, name) if name else (REPO / path).read_text()
+        assert call in source, f"{step}: {call} is not in {name or path}"
+    files, read = eight_steps_path()
+    assert len(files) <= 3 and all(f.startswith("multi_train_utils/") for f in files), files
+    assert read <= 400, read
+    # The save goes through rank 0's RunFiles (outputs/); the launcher's comment sends a reader to torch.save.
+    assert "save_atomic() in multi_train_utils/checkpoint.py" in " ".join(
+        line.strip().lstrip("# ") for line in (REPO / LAUNCHER).read_text().splitlines())
+    page = " ".join((REPO / "docs" / "how-it-works.md").read_text().split())
+    stated = re.search(r"eight steps.*?: (\d+) lines, in the launcher and (\d) files of the core", page)
+    assert stated, "the tour states the eight steps' path: N lines, in the launcher and K files of the core"
+    assert (int(stated[1]), int(stated[2])) == (read, len(files))
+    # On a GPU the step is a replayed graph: the function and the page say so where the step is.
+    assert "replayed" in function_source("multi_train_utils/train_eval_utils.py", "train_one_epoch")

@@ -1,13 +1,24 @@
-"""The house's shape: imports flow one way, from the entry scripts down to utils.py.
+"""The house's shape: each folder is a part of the plan, and imports flow one way, down this list.
 
-    entry scripts       train_*.py, predict.py, export.py, benchmarks/ (plots.py's command line lives in plots.py)
-    multi_train_utils/  distributed state, config, checkpoint format, loaders, the run
+    entry scripts        train_*.py, predict.py, export.py, make_sample.py, benchmarks/
+    cluster/             what a cluster does to a run: SIGTERM and preemption, lost peers, --check
+    outputs/             the run folder, rank 0's checkpoints and logs, the report, the plots
+    multi_train_utils/   the data-parallel core the tour walks: the command line, the loaders and
+                         their samplers, the training step and the exact evaluation, the checkpoint
+    recipe/  speed/      the recipe's options (budget, schedule, EMA, mixing, BatchNorm
+                         recalibration) and the speed-ups (CUDA graph, GPU decoding, the image
+                         cache, augmentation on the device; the scaling summary that measures them)
+    multi_train_utils/distributed_utils.py
+                         the process group, the distributed state as a value and the collective
+                         helpers: every package above uses them, so they sit below the options
+    processes/           how the processes meet (rendezvous, torchrun's store) and how their
+                         helper processes take signals
     model.py  my_dataset.py  plots.py     know nothing of processes or launchers
-    utils.py            files, images, errors
+    utils.py             files, images, errors
 
 A module may import its own layer or the ones below. No module imports an entry script or
-another module's `_private` names, and there are no cycles. A new module must be given a layer
-here, which is the moment to decide where it belongs.
+another package's `_private` names, and there are no cycles. A new module or package must be
+given a layer here, which is the moment to decide where it belongs.
 """
 from __future__ import annotations
 
@@ -15,16 +26,18 @@ import ast
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import PACKAGES, REPO
 
-ENTRY_SCRIPTS = {"train_single_gpu", "train_multi_gpu_using_launch", "train_multi_gpu_using_spawn", "predict", "export", "make_sample"}
-LAYERS = {"utils": 0, "model": 1, "my_dataset": 1, "plots": 1, "multi_train_utils": 2, "benchmarks": 3,
-          **{name: 3 for name in ENTRY_SCRIPTS}}
+ENTRY_SCRIPTS = {"train_single_gpu", "train_multi_gpu_using_launch", "train_multi_gpu_using_spawn", "predict", "export",
+                 "make_sample"}
+LAYERS = {"utils": 0, "model": 1, "my_dataset": 1, "plots": 1, "processes": 2,
+          "multi_train_utils.distributed_utils": 3, "recipe": 4, "speed": 4, "multi_train_utils": 5, "outputs": 6,
+          "cluster": 7, "benchmarks": 8, **{name: 8 for name in ENTRY_SCRIPTS}}
 
 
 def project_modules(root: Path = REPO) -> dict[str, str]:
     """Dotted module name -> source, for every module of the project (tests excluded)."""
-    files = [*root.glob("*.py"), *root.glob("multi_train_utils/*.py"), *root.glob("benchmarks/*.py")]
+    files = [*root.glob("*.py"), *(path for package in PACKAGES for path in root.glob(f"{package}/*.py"))]
     modules = {}
     for path in files:
         parts = list(path.relative_to(root).with_suffix("").parts)
@@ -35,10 +48,10 @@ def project_modules(root: Path = REPO) -> dict[str, str]:
 
 
 def layer(module: str) -> int:
-    top = module.split(".")[0]
-    if top not in LAYERS:
-        raise AssertionError(f"{module} has no layer: add it to LAYERS in tests/test_layout.py")
-    return LAYERS[top]
+    for name in (module, module.split(".")[0]):
+        if name in LAYERS:
+            return LAYERS[name]
+    raise AssertionError(f"{module} has no layer: add it to LAYERS in tests/test_layout.py")
 
 
 def imports(module: str, source: str, known: set[str]) -> list[tuple[str, list[str], int]]:
@@ -139,7 +152,11 @@ def with_change(module: str, extra: str) -> dict[str, str]:
     ("multi_train_utils.checkpoint", "import predict", "an entry script"),
     ("benchmarks", "from plots import _not_public", "private _not_public"),
     ("multi_train_utils.config", "import my_dataset\nx = my_dataset._secret", "uses the private my_dataset._secret"),
-    ("multi_train_utils.checkpoint", "from multi_train_utils import run_folder", "import cycle"),
+    ("multi_train_utils.checkpoint", "from outputs import run_folder", "a layer above it"),
+    ("multi_train_utils.distributed_utils", "from recipe.budget import most_epochs", "a layer above it"),
+    ("speed.image_cache", "from multi_train_utils.loaders import RunData", "a layer above it"),
+    ("processes.rendezvous", "from multi_train_utils.distributed_utils import DistContext", "a layer above it"),
+    ("multi_train_utils.checkpoint", "from multi_train_utils import config", "import cycle"),
 ])
 def test_each_kind_of_wrong_import_is_caught(module, line, complaint):
     problems = violations(with_change(module, line))
@@ -152,11 +169,19 @@ def test_a_module_without_a_layer_is_caught():
         violations(modules)
 
 
-def test_the_readmes_layout_names_every_module():
-    """The README's layout table names every module of the launchers' core (a reader who opens
-    multi_train_utils/ finds each file there)."""
-    root = Path(__file__).resolve().parent.parent
-    layout = (root / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
-    missing = [f.name for f in sorted((root / "multi_train_utils").glob("*.py"))
+def test_every_package_of_the_project_has_a_layer():
+    """A folder of Python modules at the top is a package of the plan, or a place outside it."""
+    outside = {"tests", "docs", "data", "runs"}
+    folders = {path.parent.name for path in REPO.glob("*/*.py")} - outside
+    assert folders <= set(PACKAGES), f"{sorted(folders - set(PACKAGES))}: add to PACKAGES and LAYERS"
+
+
+def test_the_readmes_layout_names_every_package_and_module():
+    """The README's layout table names every package and every module in it (a reader who opens
+    a folder finds each file there, and what it is for)."""
+    layout = (REPO / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    missing = [f"{package}/{f.name}" for package in PACKAGES if package != "benchmarks"
+               for f in sorted((REPO / package).glob("*.py"))
                if f.name != "__init__.py" and f"`{f.name}`" not in layout and f"/{f.name}`" not in layout]
+    missing += [f"{package}/" for package in PACKAGES if f"`{package}/`" not in layout]
     assert not missing, f"README's layout table leaves out {missing}"

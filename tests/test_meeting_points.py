@@ -151,22 +151,23 @@ def test_the_spawn_launcher_meets_where_the_torchrun_launcher_does(leading):
 def test_what_leads_to_a_collective_is_found_and_what_does_not_is_not(leading):
     """The analysis itself: functions known to meet are found, through the calls between
     (train_one_epoch reaches dist.all_reduce through all_reduce_sum), and known local ones are not."""
-    assert {"train_one_epoch", "evaluate_epoch", "open_run_folder", "build_datasets", "init_distributed",
-            "write_report", "out_of_time", "save_position_and_exit", "all_reduce_sum", "broadcast_object"} <= leading
+    assert {"train_one_epoch", "evaluate_epoch", "create_run_folder", "read_resume_checkpoint", "build_datasets",
+            "init_distributed", "evaluate_only", "report_on_best", "fit_epochs_to_budget", "budget_allows",
+            "take_rank0_batchnorm_statistics", "save_position_and_exit", "all_reduce_sum", "broadcast_object"} <= leading
     assert not {"build_model", "build_optimizer", "restore_training", "finish_epoch", "save_epoch", "RunFiles",
-                "cpu_sync_batchnorm", "prepare", "loaders"} & leading
+                "cpu_sync_batchnorm", "check_and_list_images", "read_command_line", "loaders"} & leading
 
 
 def test_a_line_that_stops_saying_so_or_a_list_that_misses_one_is_caught(leading, tmp_path):
     """A copy of the torchrun launcher whose budget line lost its comment, and a tour without its
     evaluation row."""
     launcher = (REPO / "train_multi_gpu_using_launch.py").read_text()
-    comment = "# broadcast: under --time-budget"
+    comment = "# broadcast: rank 0's clock decides"
     assert comment in launcher
     stripped = tmp_path / "launcher.py"
-    stripped.write_text(launcher.replace(comment, "# under --time-budget"))
+    stripped.write_text(launcher.replace(comment, "# rank 0's clock decides"))
     lines = stripped.read_text().splitlines()
-    assert any(name == "out_of_time" and not NAMED.search(comment_of(lines, n))
+    assert any(name == "budget_allows" and not NAMED.search(comment_of(lines, n))
                for n, name in meeting_lines(stripped, leading))
     rows = tour_rows(TOUR.read_text())
     assert rows.count("evaluate_epoch") == 1

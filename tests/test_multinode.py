@@ -18,8 +18,8 @@ import torch.distributed as dist
 from conftest import (FAST, FAST_DEFAULT_WORKERS, SAMPLE, SMALL_MODEL, child_pids, kill_group, launcher_cmd, metrics,
                       ok, processes_with_marker, start, start_job, train_here, wait_for_epochs, wait_until_gone)
 
-from multi_train_utils.attempt_store import POST, attempt_store
-from multi_train_utils.rendezvous import find_free_port, store_listening_on
+from processes.attempt_store import POST, attempt_store
+from processes.rendezvous import find_free_port, store_listening_on
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 pytestmark = pytest.mark.slow

@@ -14,12 +14,12 @@ import torch
 from conftest import FAST, FAST_DEFAULT_WORKERS, SAMPLE, SMALL_MODEL, call_main, kill_group, launcher_cmd, metrics, ok, start, train, wait_for_epochs
 
 import train_multi_gpu_using_spawn
+from cluster.preemption import TerminationRequest
 from model import create_model
 from multi_train_utils import train_eval_utils
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.config import get_args_parser
 from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.preemption import TerminationRequest
 from multi_train_utils.progress import Progress
 from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
 from my_dataset import EpochKeys, MyDataSet, build_transform

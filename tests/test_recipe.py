@@ -19,10 +19,7 @@ import train_single_gpu
 from model import BlurConv2d, classifier, create_model, freeze_backbone
 from multi_train_utils.checkpoint import load_checkpoint, model_from_checkpoint
 from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.recalibrate import BatchNormRecalibration
-from multi_train_utils.mixing import build_mix
 from multi_train_utils.progress import Progress
-from multi_train_utils.schedule import build_schedule, global_batch, peak_lr
 from multi_train_utils.train_eval_utils import (
     PlacedModel,
     batch_norm_statistics,
@@ -30,8 +27,11 @@ from multi_train_utils.train_eval_utils import (
     place_model,
     train_one_epoch,
 )
-from multi_train_utils.ema import WeightAverage
 from my_dataset import Augmentation, CropDraws, MyDataSet, SizeSchedule, build_transform, eval_img_size, train_transforms
+from recipe.ema import WeightAverage
+from recipe.mixing import build_mix
+from recipe.recalibrate import BatchNormRecalibration
+from recipe.schedule import build_schedule, global_batch, peak_lr
 from utils import UserError, list_images
 
 CPU = torch.device("cpu")

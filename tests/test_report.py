@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.report import MAX_MISTAKES, class_metrics, evaluation_report, top_ks, write_report_files
+from outputs.report import MAX_MISTAKES, class_metrics, evaluation_report, top_ks, write_report_files
 from utils import DataSplit
 
 NAMES = ["cat", "dog", "fox"]

@@ -15,7 +15,7 @@ from multi_train_utils.config import get_args_parser
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.progress import Progress
 from multi_train_utils.train_eval_utils import autocast_dtype, build_optimizer, place_model, train_one_epoch
-from multi_train_utils.schedule import build_schedule
+from recipe.schedule import build_schedule
 
 CPU = torch.device("cpu")
 

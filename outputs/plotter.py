@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from multi_train_utils.distributed_utils import die_with_parent, keep_inherited_objects
-from multi_train_utils.helper_signals import leave_sigterm_to
+from multi_train_utils.distributed_utils import keep_inherited_objects
 from plots import figure_class, save_curves, save_data_plots, save_report_plots
+from processes.helper_signals import die_with_parent, leave_sigterm_to
 from utils import stderr_line
 
 # The plotter's two processes and what each draws on each order, from the files in the run

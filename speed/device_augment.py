@@ -11,10 +11,10 @@ from torch.utils.data import DataLoader
 from torchvision.transforms.v2.functional import resize
 
 from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, raise_together
-from multi_train_utils import image_cache
-from multi_train_utils.gpu_decode import decode_on_gpu
-from multi_train_utils.image_cache import picture_shape
 from my_dataset import DeviceCrops, EpochKeys, PixelCache, SizeSchedule, decode
+from speed import image_cache
+from speed.gpu_decode import decode_on_gpu
+from speed.image_cache import picture_shape
 from utils import DataSplit
 
 

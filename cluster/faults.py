@@ -31,10 +31,10 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
+from cluster.preemption import TerminationRequest
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.distributed_utils import DistContext, lost_connection
-from multi_train_utils.preemption import TerminationRequest
-from multi_train_utils.run_folder import LAST, CheckpointWriteFailed
+from outputs.run_folder import LAST, CheckpointWriteFailed
 from utils import Preempted, ProjectError, TrainingDiverged, UserError, stderr_line
 
 # How often each rank says it is still there, and how long a silence on another machine takes

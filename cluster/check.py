@@ -30,9 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import model_for
-from multi_train_utils.config import Plan
-from multi_train_utils.check_rows import (
+from cluster.check_rows import (
     DDP_BUCKET_BYTES,
     FAIL,
     OK,
@@ -50,6 +48,8 @@ from multi_train_utils.check_rows import (
     report,
     sum_row,
 )
+from model import model_for
+from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import (
     DistContext,
     broadcast_object,
@@ -60,17 +60,17 @@ from multi_train_utils.distributed_utils import (
     setup_single,
     teardown,
 )
-from multi_train_utils.image_cache import memory_available
-from multi_train_utils.rendezvous import (
+from multi_train_utils.progress import Progress
+from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
+from my_dataset import cache_short_side, default_workers
+from outputs.run_folder import prepare_output_dir
+from processes.rendezvous import (
     Rendezvous,
     RendezvousIncomplete,
     port_unreachable,
     socket_interface_problem,
 )
-from multi_train_utils.run_folder import prepare_output_dir
-from multi_train_utils.progress import Progress
-from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
-from my_dataset import cache_short_side, default_workers
+from speed.image_cache import memory_available
 from utils import stderr_line
 
 LOADER_PREFETCH = 2  # batches each loader worker keeps ready (DataLoader's prefetch_factor)

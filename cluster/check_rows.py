@@ -8,7 +8,7 @@ import ipaddress
 import math
 import re
 
-from multi_train_utils.image_cache import cache_problem
+from speed.image_cache import cache_problem
 
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"

@@ -20,7 +20,7 @@ import time
 
 import torch.distributed as dist
 
-from multi_train_utils.rendezvous import (Rendezvous, RendezvousIncomplete, greeted_store, port_unreachable,
+from processes.rendezvous import (Rendezvous, RendezvousIncomplete, greeted_store, port_unreachable,
                                           store_listening_on, under_torchrun)
 
 POST = "flower-ddp/attempt-store"  # "PORT TOKEN", in the agent's store

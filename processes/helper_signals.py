@@ -4,9 +4,11 @@ process of a job, and the training process alone acts on it (preemption.py)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing.context
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -73,3 +75,11 @@ def leave_sigterm_to(trainer: int | None) -> None:
         os._exit(0)
 
     threading.Thread(target=wait_for_the_trainers_sigterm, name="sigterm", daemon=True).start()
+
+
+def die_with_parent() -> None:
+    """End this child process the moment the process that started it ends, however that one
+    ended: otherwise a child orphaned by SIGKILL lingers, holding the job's terminal or log pipe
+    open after the launcher has gone."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG

@@ -9,6 +9,7 @@ checkpoint a run goes on from.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import time
@@ -21,24 +22,22 @@ from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from multi_train_utils.checkpoint import check_architecture, copy_atomic, load_checkpoint, make_checkpoint, save_atomic, snapshot
-from multi_train_utils.progress import Progress
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import DistContext, broadcast_object, start_method
-from multi_train_utils.ema import WeightAverage
-from multi_train_utils.plotter import Plotter
-from multi_train_utils.scaling import ScalingTally
-from multi_train_utils.schedule import global_batch, peak_lr
+from multi_train_utils.progress import Progress
+from outputs.plotter import Plotter
+from recipe.ema import WeightAverage
+from recipe.schedule import global_batch, peak_lr
+from speed.scaling import ScalingTally
 from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, DataSplit, ProjectError, UserError, save_split, write_json
 
 LAST, BEST = "last.pth", "best.pth"
 TENSORBOARD_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "train_images_per_sec")
 
 
-def open_run_folder(plan: Plan, ctx: DistContext) -> tuple[Path, dict[str, Any] | None]:
-    """The run folder, which rank 0 creates, and the checkpoint the run goes on from (--resume
-    PATH, or for `auto` the folder's last.pth if rank 0 finds one), read by every rank itself
-    (on several machines: from a shared file system); None for a new run. Collectives: two
-    broadcasts, so that every rank takes rank 0's folder and file, even if one appears meanwhile."""
+def create_run_folder(plan: Plan, ctx: DistContext) -> Path:
+    """The run folder, which rank 0 creates; then rank 0 prints the run's configuration.
+    Collective: a broadcast of rank 0's folder (or of why it could not write there)."""
     args = plan.args
     output_dir = prepare_output_dir(plan, ctx)
     batch = global_batch(args, ctx)
@@ -46,15 +45,24 @@ def open_run_folder(plan: Plan, ctx: DistContext) -> tuple[Path, dict[str, Any] 
     ctx.print0(f"config: {vars(args)}")
     ctx.print0(f"{plan.launcher}: {ctx.world_size} process(es) on {ctx.device.type}, global batch {batch}{accumulated}, "
                f"peak lr {peak_lr(args, ctx):.4g} (= {args.lr} x {batch}/256), output in {output_dir}")
+    return output_dir
+
+
+def read_resume_checkpoint(args: argparse.Namespace, output_dir: Path, ctx: DistContext) -> dict[str, Any] | None:
+    """The checkpoint the run goes on from (--resume PATH, or for `auto` the run folder's
+    last.pth if rank 0 finds one), read by every rank itself (on several machines: from a
+    shared file system); None for a new run. Collective, under --resume auto only: a broadcast
+    of whether rank 0 found last.pth, so that every rank reads it, or none, even if it appears
+    meanwhile."""
     path = args.resume
     if path == "auto":
         found = (output_dir / LAST).is_file() if ctx.is_main else None
         path = str(output_dir / LAST) if broadcast_object(found, ctx) else None
     if not path:
-        return output_dir, None
+        return None
     checkpoint = load_checkpoint(path)
     check_architecture(checkpoint, args, path)
-    return output_dir, {**checkpoint, "loaded_from": path}
+    return {**checkpoint, "loaded_from": path}
 
 
 def prepare_output_dir(plan: Plan, ctx: DistContext) -> Path:
@@ -95,8 +103,9 @@ class CheckpointWriteFailed(ProjectError):
 
 class RunFiles:
     """Rank 0's files of the run, for the state of `model` (unwrapped), `optimizer`, `scaler`
-    and `ema`. Made before the epochs: config.json, class_indices.json and split.json, and the
-    pictures of the data (plotter.py's processes, forked now). Each epoch's checkpoint and metrics
+    and `ema`. Entered before the epochs (`with`): it writes config.json, class_indices.json and
+    split.json, forks plotter.py's processes for the pictures of the data, opens TensorBoard's
+    log and starts its writer thread; made, it has done nothing yet. Each epoch's checkpoint and metrics
     are written by one thread beside the training loop: the loop hands over a copy and goes on.
     At most one epoch's files are in flight; the next hand-over waits for them, and so do a stop
     (SIGTERM), the end of the run and a failure. A kill at any moment leaves the previous last.pth
@@ -106,15 +115,24 @@ class RunFiles:
     def __init__(self, output_dir: Path, plan: Plan, split: DataSplit, data_root: str, progress: Progress,
                  model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                  ema: WeightAverage | None, ctx: DistContext, began: float | None = None):
-        self.output_dir, self.args, self.split, self.progress, self.ctx = output_dir, plan.args, split, progress, ctx
+        self.output_dir, self.plan, self.args, self.split, self.data_root = output_dir, plan, plan.args, split, data_root
+        self.progress, self.ctx = progress, ctx
         self.model, self.optimizer, self.scaler, self.ema = model, optimizer, scaler, ema
         self.began = began or time.perf_counter()
+        self.plotter: Plotter | None = None
+        self._in_flight: list[Future] = []
+        self._epoch = 0  # the epoch whose files are in flight
+        self.scaling = ScalingTally(ctx.world_size, plan.args.batch_size, plan.args.accum_steps)  # a multi-process run's last line
+
+    def __enter__(self) -> RunFiles:
+        """The run's first files, the pictures of its data, TensorBoard's log and the writer thread."""
+        output_dir, plan, progress, ctx, split = self.output_dir, self.plan, self.progress, self.ctx, self.split
         # A resumed --time-budget run keeps the epoch count its first epoch fixed (progress.py).
         fixed = {"budget_epochs": progress.budget_epochs} if progress.budget_epochs else {}
         write_json(output_dir / CONFIG_FILE, {**vars(plan.args), "launcher": plan.launcher,
                                               "world_size": ctx.world_size, "torch": torch.__version__, **fixed})
         write_json(output_dir / "class_indices.json", dict(enumerate(split.class_names)))
-        save_split(split, output_dir / SPLIT_FILE, data_root)
+        save_split(split, output_dir / SPLIT_FILE, self.data_root)
         restore_metrics(output_dir / METRICS_FILE, progress.epoch)
         # Forked before this object starts threads of its own: a child has the parent's imports.
         self.plotter = Plotter(output_dir, start_method(ctx)) if plan.args.plots else None
@@ -122,10 +140,8 @@ class RunFiles:
             self.plotter.draw_data()
         self.tensorboard = SummaryWriter(log_dir=str(output_dir))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epoch-writer")
-        self._in_flight: list[Future] = []
-        self._epoch = 0  # the epoch whose files are in flight
         self.epochs_began = self.epochs_ended = time.perf_counter()
-        self.scaling = ScalingTally(ctx.world_size, plan.args.batch_size, plan.args.accum_steps)  # a multi-process run's last line
+        return self
 
     def save_epoch(self, epoch: int, progress: Progress, train_stats: dict[str, Any], evaluated: Any,
                    is_best: bool) -> None:
@@ -165,9 +181,6 @@ class RunFiles:
         for job in in_flight:
             if (error := job.exception()) is not None:
                 raise CheckpointWriteFailed(self._epoch, error, self.output_dir) from None
-
-    def __enter__(self) -> RunFiles:
-        return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         """After the last epoch and the report: wait for the files and the pictures, then say

@@ -9,8 +9,7 @@ A SIGTERM sent to the whole job (SLURM, `kill -TERM -PGID`) is the training proc
 on: the server ignores it, or the next loader worker it should fork would fail the run. It
 ignores it from its start (start_method starts it so), and leave_sigterm_to keeps it so for
 the server's children."""
-from multi_train_utils.distributed_utils import die_with_parent
-from multi_train_utils.helper_signals import leave_sigterm_to
+from processes.helper_signals import die_with_parent, leave_sigterm_to
 
 die_with_parent()
 leave_sigterm_to(None)

@@ -9,9 +9,9 @@ import signal
 from pathlib import Path
 from typing import Any, NoReturn
 
-from multi_train_utils.progress import Progress
 from multi_train_utils.distributed_utils import DistContext, barrier
-from multi_train_utils.run_folder import LAST, RunFiles
+from multi_train_utils.progress import Progress
+from outputs.run_folder import LAST, RunFiles
 from utils import Preempted
 
 

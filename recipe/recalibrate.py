@@ -7,11 +7,13 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
+from torch import nn
 
+from model import batch_norms
 from multi_train_utils.distributed_utils import DistContext, broadcast_buffers
-from multi_train_utils.train_eval_utils import PlacedModel, batch_norms
 from my_dataset import MyDataSet, build_transform, eval_img_size, eval_resize
 from utils import DataSplit
 
@@ -35,6 +37,13 @@ def recalibration_batches(split: DataSplit, args: argparse.Namespace) -> list[to
     return list(images.split(args.batch_size))
 
 
+class Placed(Protocol):
+    """What is recalibrated: a model on its device (train_eval_utils.Placed, a dataclass)."""
+    module: nn.Module
+
+    def input(self, images: torch.Tensor) -> torch.Tensor: ...
+
+
 class BatchNormRecalibration:
     """--bn-recalibrate: FixRes's cheap half (Touvron et al. 2019). A model trained on random
     crops and evaluated on larger centre crops sees larger objects at evaluation, and its
@@ -51,7 +60,7 @@ class BatchNormRecalibration:
         self.batches = batches
 
     @torch.no_grad()
-    def __call__(self, placed: PlacedModel, ctx: DistContext) -> PlacedModel:
+    def __call__(self, placed: Placed, ctx: DistContext) -> Placed:
         module = copy.deepcopy(placed.module)
         for norm in batch_norms(module):
             norm.reset_running_stats()

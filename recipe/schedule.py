@@ -7,8 +7,8 @@ import argparse
 import dataclasses
 import math
 
-from multi_train_utils.budget import planned_epochs
 from multi_train_utils.distributed_utils import DistContext
+from recipe.budget import planned_epochs
 
 
 @dataclasses.dataclass(frozen=True)

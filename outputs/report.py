@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader
 from multi_train_utils.checkpoint import load_checkpoint, shipped_weights
 from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, broadcast_object, gather_objects
 from multi_train_utils.loaders import RunData
-from multi_train_utils.plotter import Plotter
-from multi_train_utils.run_folder import BEST
 from multi_train_utils.train_eval_utils import Evaluation, Outputs, placed, validation_metrics, validation_outputs
+from outputs.plotter import Plotter
+from outputs.run_folder import BEST
 from utils import REPORT_FILE, DataSplit, write_json
 
 MAX_MISTAKES = 16
@@ -101,18 +101,14 @@ def report_line(report: dict[str, Any]) -> str:
             f"macro F1 {report['macro_f1']:.4f}, {top}")
 
 
-def write_report(model: nn.Module, val_loader: DataLoader, data: RunData, output_dir: Path, args: argparse.Namespace,
-                 ctx: DistContext, best: tuple[int, Evaluation] | None = None,
-                 checkpoint: dict[str, Any] | None = None) -> None:
-    """report.json and confusion_matrix.csv. At the end of a run, for best.pth's weights, from
-    the outputs its epoch's evaluation kept on each rank (`best`: that epoch and its Evaluation;
-    no second pass); when that epoch ran before a resume, best.pth is loaded, after a broadcast
-    of whether rank 0 sees it (rank 0 may still be writing it), and evaluated again. Under --eval-only, for `model` with
-    the weights `checkpoint` ships (or --weights): evaluate_only. Collectives: an all_reduce of
-    the counts and an all_gather of the mistakes (and evaluate_only's all_reduce)."""
-    if args.eval_only:
-        evaluate_only(model, checkpoint, val_loader, data, output_dir, args, ctx)
-        return
+def report_on_best(model: nn.Module, val_loader: DataLoader, data: RunData, output_dir: Path, args: argparse.Namespace,
+                   ctx: DistContext, best: tuple[int, Evaluation] | None) -> None:
+    """At the end of a run: report.json and confusion_matrix.csv for best.pth's weights, from
+    the outputs its epoch's evaluation kept on each rank (`best`: that epoch and its
+    Evaluation; no second pass). When that epoch ran before a resume (`best` is None), best.pth
+    is loaded into `model`, after a broadcast of whether rank 0 sees it (rank 0 may still be
+    writing it), and evaluated again. Collectives: an all_reduce of the counts and an all_gather
+    of the mistakes (and that broadcast and the evaluation's all_reduce)."""
     if best is not None:
         epoch, evaluated = best
         source = best_source(output_dir / BEST, epoch, evaluated.better)
@@ -148,8 +144,9 @@ def final_report(outputs: Outputs, split: DataSplit, source: str, output_dir: Pa
 
 def evaluate_only(model: nn.Module, checkpoint: dict[str, Any] | None, val_loader: DataLoader, data: RunData,
                   output_dir: Path, args: argparse.Namespace, ctx: DistContext) -> None:
-    """--eval-only: the weights a checkpoint ships (--resume), or --weights, evaluated in one
-    pass over the validation set: eval.json and the report (and its pictures). With
+    """--eval-only, the whole of it: `model` with the weights a checkpoint ships (--resume), or
+    --weights, evaluated in one pass over the validation set: eval.json and the report (and
+    its pictures). With
     --bn-recalibrate the statistics are recomputed first (a checkpoint of a run that did so
     holds them already: the same ones come out). Collectives: an all_reduce of the sums, then
     the report's."""
