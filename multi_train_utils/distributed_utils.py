@@ -226,8 +226,9 @@ def stop(processes: list, grace_seconds: float = STOP_GRACE_SECONDS) -> None:
             p.join()
 
 
-def start_method(ctx: DistContext) -> multiprocessing.context.BaseContext:
-    """How this process starts its helpers (loader workers, plotters). Forking shares the
+def prepare_helper_start(ctx: DistContext) -> multiprocessing.context.BaseContext:
+    """How this process starts its helpers (loader workers, plotters), the fork server started
+    now where one is needed (its imports then go on beside this process). Forking shares the
     parent's memory and imports; but in a process group gloo's (or NCCL's) threads, and on CUDA
     autograd's, create Python thread states now and then, to drop a tensor's Python object, and
     a fork that catches one of them holding CPython's runtime lock leaves a child that waits for

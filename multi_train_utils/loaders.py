@@ -22,7 +22,7 @@ from multi_train_utils.distributed_utils import (
     broadcast_object,
     keep_inherited_objects,
     gather_objects,
-    start_method,
+    prepare_helper_start,
 )
 from my_dataset import (
     CropDraws,
@@ -89,8 +89,8 @@ class RunData:
             # A process started by mp.spawn would also spawn its loader workers, each re-importing
             # torch (seconds) and receiving a pickled copy of the dataset; forking, Linux's default
             # everywhere else, shares the parent's memory, the --cache pixels included, except
-            # where a fork could hang (start_method).
-            multiprocessing_context=start_method(ctx) if workers > 0 and sys.platform == "linux" else None,
+            # where a fork could hang (prepare_helper_start).
+            multiprocessing_context=prepare_helper_start(ctx) if workers > 0 and sys.platform == "linux" else None,
         )
         keys = EpochKeys(train_sampler)
         # A last batch of one image breaks BatchNorm in training mode; drop the remainder instead

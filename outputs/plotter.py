@@ -38,24 +38,30 @@ DRAWN = ("the class balance, the augmented samples and the training curves",
 
 
 class Plotter:
-    """Rank 0's plotting processes for the run folder `run_dir`, used as a context manager."""
+    """Rank 0's plotting processes for the run folder `run_dir`, used as a context manager:
+    entering it starts them, leaving it waits for their pictures (or ends them after a failure)."""
 
     def __init__(self, run_dir: Path, context: multiprocessing.context.BaseContext | None = None):
-        # Forked, not spawned: a child has the parent's imports already (a spawned one would
-        # import torch again, seconds of a core); in a process group, from a fork server
-        # (distributed_utils.start_method). Made before the run starts any thread of its own.
-        context = context or multiprocessing.get_context("fork")
         self.run_dir = run_dir
+        self.context = context or multiprocessing.get_context("fork")
         self._children = []
         self._lost: set[int] = set()  # the children that died, by index
+        self.waited = 0.0
+
+    def __enter__(self) -> Plotter:
+        """Start the processes. Forked, not spawned: a child has the parent's imports already (a
+        spawned one would import torch again, seconds of a core); in a process group, from a fork
+        server (distributed_utils.prepare_helper_start). Entered before the run starts any thread
+        of its own."""
+        context = self.context
         for drawings in DRAWINGS:
             receive, send = context.Pipe(duplex=False)
-            process = context.Process(target=draw_on_order, args=(receive, run_dir, drawings, os.getpid()),
+            process = context.Process(target=draw_on_order, args=(receive, self.run_dir, drawings, os.getpid()),
                                       name="plotter", daemon=True)
             process.start()
             receive.close()
             self._children.append((process, send))
-        self.waited = 0.0
+        return self
 
     def draw_data(self) -> None:
         self._order("data")
@@ -77,9 +83,6 @@ class Plotter:
 
     def waited_line(self) -> str:
         return f"waited {self.waited:.1f}s for the plots"
-
-    def __enter__(self) -> Plotter:
-        return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
         """At the run's end, wait for the pictures; after a failure or a stop, end the plotter."""

@@ -23,7 +23,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from multi_train_utils.checkpoint import check_architecture, copy_atomic, load_checkpoint, make_checkpoint, save_atomic, snapshot
 from multi_train_utils.config import Plan
-from multi_train_utils.distributed_utils import DistContext, broadcast_object, start_method
+from multi_train_utils.distributed_utils import DistContext, broadcast_object, prepare_helper_start
 from multi_train_utils.progress import Progress
 from outputs.plotter import Plotter
 from recipe.ema import WeightAverage
@@ -135,8 +135,8 @@ class RunFiles:
         save_split(split, output_dir / SPLIT_FILE, self.data_root)
         restore_metrics(output_dir / METRICS_FILE, progress.epoch)
         # Forked before this object starts threads of its own: a child has the parent's imports.
-        self.plotter = Plotter(output_dir, start_method(ctx)) if plan.args.plots else None
-        if self.plotter:
+        if plan.args.plots:
+            self.plotter = Plotter(output_dir, prepare_helper_start(ctx)).__enter__()  # its processes forked now
             self.plotter.draw_data()
         self.tensorboard = SummaryWriter(log_dir=str(output_dir))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epoch-writer")

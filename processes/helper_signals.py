@@ -60,7 +60,7 @@ def leave_sigterm_to(trainer: int | None) -> None:
     process of the job, helpers included; the training process turns it into a stop at the next
     step and a saved position (preemption.py), and needs its helpers until then: a loader
     worker dies of a SIGTERM its parent did not send (torch's handler), and the run would fail
-    on the dead worker instead. The signal stays blocked (from the fork on: start_method), and
+    on the dead worker instead. The signal stays blocked (from the fork on: prepare_helper_start), and
     a thread of this process's own takes it with sigwaitinfo, which tells who sent it (a
     handler is not told). `trainer` None: every SIGTERM is left alone (the fork server, which
     ends with the training process in any case, and whose children inherit the blocked signal)."""

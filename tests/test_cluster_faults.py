@@ -23,7 +23,7 @@ from conftest import REPO
 from cluster import check, faults
 from cluster.faults import FaultWatch, handling_sigterm_and_faults, process_id_view, started_at
 from multi_train_utils.checkpoint import save_atomic
-from multi_train_utils.distributed_utils import DistContext, init_distributed, resolve_device, start_method
+from multi_train_utils.distributed_utils import DistContext, init_distributed, resolve_device, prepare_helper_start
 from multi_train_utils.loaders import start_worker
 from processes.rendezvous import Rendezvous, find_free_port
 from speed.image_cache import machine_index
@@ -201,8 +201,8 @@ class Slow(torch.utils.data.Dataset):
 
 FORK_SERVER_SIGTERM = """
 import subprocess, sys, threading, multiprocessing.forkserver, torch
-from multi_train_utils.distributed_utils import DistContext, start_method
-context = start_method(DistContext(0, 0, 2, 2, torch.device("cpu"), distributed=True))
+from multi_train_utils.distributed_utils import DistContext, prepare_helper_start
+context = prepare_helper_start(DistContext(0, 0, 2, 2, torch.device("cpu"), distributed=True))
 server = multiprocessing.forkserver._forkserver._forkserver_pid
 # SLURM's warning, as slurmstepd sends it (from outside), while the server still imports torch
 # and this process already waits for its first worker.
@@ -213,7 +213,7 @@ print("batches", len(list(loader)), "server", server == multiprocessing.forkserv
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 12, 1) or (3, 11, 10) <= sys.version_info < (3, 12),
-                    reason="this CPython forks loader workers without a fork server (start_method)")
+                    reason="this CPython forks loader workers without a fork server (prepare_helper_start)")
 def test_the_fork_server_outlives_a_sigterm_from_outside_while_it_starts():
     """Found under SLURM: the time limit's warning came while the fork server, started at
     set-up, still imported torch, before it could leave SIGTERM alone; it died, and the run
@@ -232,7 +232,7 @@ def test_a_loader_worker_outlives_a_sigterm_from_outside_and_ends_on_its_trainer
     ctx = DistContext(0, 0, 2, 2, torch.device("cpu"), distributed=True) if distributed else DistContext.single()
     loader = torch.utils.data.DataLoader(Slow(), batch_size=2, num_workers=1,
                                          worker_init_fn=functools.partial(start_worker, os.getpid()),
-                                         multiprocessing_context=start_method(ctx))
+                                         multiprocessing_context=prepare_helper_start(ctx))
     batches = iter(loader)
     next(batches)
     worker = batches._workers[0]
