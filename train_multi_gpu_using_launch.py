@@ -45,6 +45,7 @@ from multi_train_utils.train_eval_utils import (build_model, build_optimizer, ev
 from cluster.check import check
 from cluster.faults import handling_sigterm_and_faults
 from cluster.preemption import exit_75_on_sigterm
+from outputs import collective_trace
 from outputs.report import evaluate_only, report_on_best
 from outputs.run_folder import RunFiles, create_run_folder, read_resume_checkpoint
 from utils import exit_on_error
@@ -60,8 +61,10 @@ def main() -> None:
         plan = check_and_list_images(args, "launch")
         if args.check:  # diagnose instead of training
             sys.exit(check(plan, plan.rendezvous))  # its own rendezvous, then an all_gather and all_reduces
+        if args.trace_collectives:  # every collective from here on recorded, with the line below that led to it
+            collective_trace.start(__file__)
         # dist.init_process_group: NCCL on GPUs, gloo on the CPU, each process on its local rank's GPU
-        # (none without torchrun or srun: one process).
+        # (none without torchrun or srun: one process); then a broadcast of the job's name in the store.
         ctx = init_distributed(plan.rendezvous, args.device, args.backend, args.dist_timeout)
         try:
             train(plan, ctx)
@@ -78,9 +81,11 @@ def train(plan, ctx) -> None:
     output_dir = create_run_folder(plan, ctx)  # broadcast: rank 0 creates it (and prints the configuration)
     # --resume's checkpoint, read by every rank (a broadcast under --resume auto: whether rank 0 found last.pth).
     checkpoint = read_resume_checkpoint(args, output_dir, ctx)
-    with handling_sigterm_and_faults(output_dir, ctx) as sigterm:  # SIGTERM a request; a lost peer named
-        # all_gather: the unreadable files each rank found, so all split alike (a barrier with --cache,
-        # an all_reduce with --device-augment).
+    # SIGTERM a request, a lost peer named; --trace-collectives: each rank's list kept, however the run ends.
+    with collective_trace.kept(output_dir, ctx), handling_sigterm_and_faults(output_dir, ctx) as sigterm:
+        # all_gather: the unreadable files each rank found, so all split alike (resuming: two broadcasts,
+        # of rank 0's recorded split and its verdict on the files). --cache: a broadcast, an all_gather and
+        # 3 barriers; --device-augment: an all_gather and 2 all_reduces.
         data = build_datasets(plan, checkpoint, ctx)
         # Each rank draws its own 1/world_size of the training images, in a new order every epoch.
         train_sampler = DistributedSampler(data.train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
@@ -102,8 +107,11 @@ def train(plan, ctx) -> None:
                 model = cpu_sync_batchnorm(model)  # torch's runs on GPUs only: the same sums, over gloo
         model_without_ddp = model  # what is saved, evaluated and averaged: its weights load under any launcher
         if ctx.distributed:
-            # broadcast: DDP copies rank 0's weights to every rank now; backward() all-reduces the gradients.
+            # all_gather: DDP checks that every rank's parameters have the same shapes; broadcast: it copies
+            # rank 0's weights and buffers to every rank. backward() will all-reduce the gradients.
             model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+            if args.trace_collectives:  # its gradients' all-reduces made where the trace sees them
+                collective_trace.watch_gradients(model)
         if args.compile:
             model = torch.compile(model)
         # After the swap and the wrap: over the parameters the model has now. The learning rate, set at every
@@ -125,8 +133,10 @@ def train(plan, ctx) -> None:
                     if not progress.budget_allows(epoch, args, ctx):
                         break
                 train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-                # all_reduce: DDP's of the gradients in every backward(), a small one every 20 steps (a NaN
-                # loss or a SIGTERM on any rank stops them all), and the epoch's loss and accuracy. On a GPU the
+                # all_reduce: DDP's of the gradients in every backward(), a small one at least every 20 steps
+                # (a NaN loss or a SIGTERM on any rank stops them all), and the epoch's loss and accuracy;
+                # with --sync-bn two per BatchNorm layer and batch. broadcast: DDP's of rank 0's buffers at
+                # every forward (the BatchNorm statistics each rank starts the batch from). On a GPU the
                 # step is a CUDA graph, replayed after a few eager steps (--cuda-graph off: always the eager one).
                 train_stats = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress,
                                               args, ctx, ema, sigterm)
@@ -144,6 +154,8 @@ def train(plan, ctx) -> None:
                 # the others go on to their next collective.
                 if ctx.is_main:
                     files.save_epoch(epoch, progress, train_stats, evaluated, is_best)
+                if args.trace_collectives:  # rank 0 prints where the ranks met in this epoch
+                    collective_trace.print_epoch(epoch, output_dir, ctx)
             # all_reduce and all_gather: best.pth's report, from the outputs its epoch kept (a broadcast if it reloads).
             report_on_best(model_without_ddp, val_loader, data, output_dir, args, ctx, best)
 

@@ -193,6 +193,10 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
                           "bandwidth, one timed step alone and under DDP; exit 0 when a job would run, 1 when not")
     run.add_argument("--check-timeout", type=float, default=20,
                      help="seconds each --check stage may take before it counts as hung")
+    run.add_argument("--trace-collectives", action="store_true",
+                     help="record every collective each rank makes (DDP's and SyncBatchNorm's included) with the "
+                          "launcher line that led to it: rank 0 prints them by line after each epoch, and each "
+                          "rank's list goes to RUN_DIR/collectives/ (steps eagerly: a CUDA graph hides them)")
 
     old = p.add_argument_group("the original scripts' spellings",
                                "accepted so that their command lines and job scripts run unchanged")
@@ -255,7 +259,7 @@ def check_and_list_images(args: argparse.Namespace, launcher: str, verbose: bool
         if gpus and world_size > gpus:
             raise UserError(f"--world-size {world_size} is more than the {gpus} visible GPU(s)")
         resolve_device(args.device, 0, world_size, distributed=True)  # what every process would check, once
-    check_options(args)
+    check_options(args, launcher)
     log = print if verbose and (rdzv is None or rdzv.local_rank == 0) else _quiet
     if args.download and not Path(args.data_path).is_dir():
         # torchrun starts every process at once; a file lock inside lets one of them download.
@@ -274,7 +278,7 @@ def check_and_list_images(args: argparse.Namespace, launcher: str, verbose: bool
     return Plan(args, launcher, class_names, samples, world_size, rdzv, val_files)
 
 
-def check_options(args: argparse.Namespace) -> None:
+def check_options(args: argparse.Namespace, launcher: str) -> None:
     if not 0 < args.val_rate < 1:
         raise UserError(f"--val-rate must be between 0 and 1 (exclusive), not {args.val_rate}")
     for name in ("epochs", "batch_size", "accum_steps", "img_size", "val_img_size", "min_img_size"):
@@ -299,6 +303,9 @@ def check_options(args: argparse.Namespace) -> None:
     if args.cuda_graph == "on" and blockers(args):
         raise UserError(f"--cuda-graph on cannot run with {'; '.join(blockers(args))}")
     parse_dist_url(getattr(args, "dist_url", "env://"))
+    if args.trace_collectives and launcher == "single":
+        raise UserError("--trace-collectives records where processes meet: one process meets no one "
+                        "(use train_multi_gpu_using_launch.py or train_multi_gpu_using_spawn.py)")
     if (args.drop_missing or args.data_moved) and not args.resume:
         raise UserError("--drop-missing and --data-moved are about a resumed run's files: they need --resume")
     if args.resume == "auto" and args.output_dir is None:

@@ -381,13 +381,21 @@ def broadcast_buffers(model: torch.nn.Module, ctx: DistContext) -> None:
 
     DDP copies rank 0's buffers to the others as a training forward pass starts (not after one
     under no_sync), but without SyncBN each rank's forward then updates its copy from its own
-    batch, so an epoch ends with statistics that differ by rank. Evaluating with rank 0's buffers everywhere makes the
-    reported accuracy that of the checkpoint rank 0 saves, whatever the world size.
+    batch, so an epoch ends with statistics that differ by rank. Evaluating with rank 0's buffers
+    everywhere makes the reported accuracy that of the checkpoint rank 0 saves, whatever the
+    world size. One broadcast per dtype (BatchNorm's: float statistics, int64 batch counts), of
+    the buffers laid end to end: a ResNet has over a hundred, one broadcast each a hundred waits.
     """
     if not ctx.distributed:
         return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for buffers in by_dtype.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+        dist.broadcast(flat, src=0)
+        for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
+            buffer.detach().copy_(value.view_as(buffer))
 
 
 class ShardSampler(Sampler[int]):

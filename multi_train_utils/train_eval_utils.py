@@ -394,7 +394,7 @@ def take_rank0_batchnorm_statistics(model: nn.Module, ema: WeightAverage | None,
     """Rank 0's BatchNorm statistics (running means and variances) into `model` and --ema's
     average on every rank. Without --sync-bn each rank's follow its own batches; evaluated with
     rank 0's, every rank evaluates, and trains on from, the weights rank 0 saves, and the
-    accuracy is the checkpoint's at any world size. Collective: a broadcast of each buffer."""
+    accuracy is the checkpoint's at any world size. Collectives: one broadcast per dtype of the buffers, per model."""
     for module in (model, *([ema.module] if ema else [])):
         broadcast_buffers(module, ctx)
 

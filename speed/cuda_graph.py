@@ -29,6 +29,8 @@ def blockers(args: argparse.Namespace) -> list[str]:
         found.append("--accum-steps (a step of several batches, each backward but the last without DDP's sync)")
     if args.compile:
         found.append("--compile (torch.compile's code was not tried inside a captured graph)")
+    if getattr(args, "trace_collectives", False):
+        found.append("--trace-collectives (a replayed graph makes its collectives without Python, unseen)")
     return found
 
 

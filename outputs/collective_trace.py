@@ -1,0 +1,189 @@
+"""--trace-collectives: where the ranks meet, recorded. Every collective this process makes
+through `torch.distributed` (the project's helpers, and those that DDP, SyncBatchNorm and the
+object collectives make inside torch) is written down with its kind, its size and the launcher
+line that led to it, read from the Python stack. DDP's gradient all-reduces happen in its C++
+reducer, out of Python's sight: a traced run gives DDP torch's own `allreduce_hook` (the same
+sums, made through `dist.all_reduce`), so they are recorded too.
+
+At the end of each epoch rank 0 prints its collectives of the epoch grouped by launcher line;
+at the end of the run every rank writes its whole list, one collective a line, in the order
+made, to `collectives/rank<R>.tsv` in the run folder (every rank its own: that is the point).
+By the rule of collectives every rank's list is the same; `tests/test_collective_trace.py`
+checks it, and checks the launchers' comments and the tour against the lists.
+
+Torch's own Flight Recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) records NCCL's collectives in C++,
+without the Python line that made them and not on gloo: it says what hung, this says why each
+collective is there. A replayed CUDA graph makes its collectives without Python, so a traced
+run steps eagerly (docs/how-it-works.md).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch.distributed's functions that make a collective, by the name a reader meets. An object
+# collective (broadcast_object_list, all_gather_object) is recorded as itself, not as the
+# broadcasts and gathers it makes inside.
+TRACED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce",
+          "gather", "scatter", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+          "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+          "_broadcast_coalesced", "_verify_params_across_processes")
+# What a reader calls each: the word a launcher's comment uses for it.
+KINDS = {"all_reduce": "all_reduce", "broadcast": "broadcast", "broadcast_object_list": "broadcast",
+         "_broadcast_coalesced": "broadcast", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
+         "all_gather_object": "all_gather", "_verify_params_across_processes": "all_gather",
+         "gather_object": "gather", "gather": "gather", "barrier": "barrier", "monitored_barrier": "barrier"}
+PROJECT = Path(__file__).resolve().parent.parent
+TORCH = Path(torch.__file__).resolve().parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    index: int
+    call: str  # torch.distributed's function
+    kind: str  # all_reduce, broadcast, all_gather, barrier, ...
+    bytes: int  # the tensors' bytes; 0 for an object collective or a barrier
+    line: int  # the launcher's line that led to it; 0: none (before or after the launcher's code)
+    via: str  # the project's functions from that line down, then torch's that made the call
+
+    def row(self) -> str:
+        return f"{self.index}\t{self.kind}\t{self.call}\t{self.bytes}\t{self.line}\t{self.via}"
+
+
+class Trace:
+    """This process's collectives, in the order made."""
+
+    def __init__(self, launcher: str):
+        self.launcher = os.path.realpath(launcher)
+        self.made: list[Collective] = []
+        self.printed = 0  # the collectives rank 0 has already printed
+        self.lock = threading.Lock()
+
+    def record(self, call: str, args: tuple, kwargs: dict[str, Any]) -> None:
+        frames = _stack(sys._getframe(2))
+        if not any(f.f_code.co_filename == self.launcher for f in frames):
+            # DDP's hook runs on autograd's thread: the training thread's stack says where it is.
+            main = sys._current_frames().get(threading.main_thread().ident)
+            frames = _stack(main) + frames if main is not None else frames
+        line, via = self.origin(frames)
+        with self.lock:
+            self.made.append(Collective(len(self.made) + 1, call, KINDS.get(call, call), _bytes(args, kwargs),
+                                        line, via))
+
+    def origin(self, frames: list) -> tuple[int, str]:
+        """The innermost launcher line of `frames` (outermost first), and the calls below it."""
+        at = max((i for i, f in enumerate(frames) if f.f_code.co_filename == self.launcher), default=None)
+        below = [f for f in (frames[at + 1:] if at is not None else frames) if f.f_code.co_filename != __file__]
+        ours = [i for i, f in enumerate(below) if _inside(f, PROJECT) and not _inside(f, TORCH)]
+        project = [getattr(below[i].f_code, "co_qualname", below[i].f_code.co_name) for i in ours]
+        # torch's function that made the call, where torch made it (DDP's, SyncBatchNorm's), not ours
+        torch_side = [f.f_code.co_name for f in below[(ours[-1] + 1 if ours else 0):] if _inside(f, TORCH)]
+        via = " > ".join(project + ([f"torch:{torch_side[-1]}"] if torch_side else []))
+        return (frames[at].f_lineno if at is not None else 0), via
+
+    def grouped(self, title: str, output_dir: Path) -> list[str]:
+        """The collectives since the last print, grouped by launcher line, in the order made."""
+        made, self.printed = self.made[self.printed:], len(self.made)
+        groups: dict[tuple, list[Collective]] = collections.defaultdict(list)
+        for c in made:
+            groups[(c.line, c.kind, c.via)].append(c)
+        lines = [f"{title}: {len(made)} on rank 0, by launcher line (every rank's list: "
+                 f"{output_dir / 'collectives'}/rank<R>.tsv)"]
+        for (line, kind, via), found in sorted(groups.items(), key=lambda g: g[1][0].index):
+            size = sum(c.bytes for c in found)
+            lines.append(f"  line {line:>3}: {len(found):>4} x {kind:<10} {_size(size):>9}  via {via}")
+        return lines
+
+    def write(self, output_dir: Path, rank: int) -> None:
+        folder = output_dir / "collectives"
+        folder.mkdir(exist_ok=True)
+        with self.lock:
+            rows = [c.row() for c in self.made]
+        (folder / f"rank{rank}.tsv").write_text("index\tkind\tcall\tbytes\tline\tvia\n" + "".join(r + "\n" for r in rows))
+
+
+_trace: Trace | None = None  # one per process, as torch.distributed's functions are
+
+
+def start(launcher: str) -> None:
+    """Record every collective this process makes from now on (start before joining the process
+    group: joining makes one)."""
+    global _trace
+    if _trace is not None:
+        return
+    _trace = Trace(launcher)
+    for name in TRACED:
+        if hasattr(dist, name):
+            setattr(dist, name, _recorded(name, getattr(dist, name)))
+
+
+def watch_gradients(model: torch.nn.Module) -> None:
+    """DDP's gradient all-reduces through torch's allreduce_hook, where the trace sees them."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    model.register_comm_hook(None, allreduce_hook)
+
+
+def print_epoch(epoch: int, output_dir: Path, ctx: Any) -> None:
+    """Rank 0 prints the collectives it made since the last print, grouped by launcher line."""
+    if _trace is not None and ctx.is_main:
+        print("\n".join(_trace.grouped(f"collectives of epoch {epoch}", output_dir)), flush=True)
+
+
+@contextlib.contextmanager
+def kept(output_dir: Path, ctx: Any) -> Iterator[None]:
+    """Meanwhile nothing; at the end, however the run ends, each rank writes its list, and rank
+    0 prints what came after its last epoch (the report's collectives)."""
+    try:
+        yield
+    finally:
+        if _trace is not None:
+            _trace.write(output_dir, ctx.rank)
+            if ctx.is_main and _trace.printed < len(_trace.made):
+                print("\n".join(_trace.grouped("collectives after the epochs", output_dir)), flush=True)
+
+
+def _recorded(name: str, function: Any) -> Any:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _trace is not None:
+            _trace.record(name, args, kwargs)
+        return function(*args, **kwargs)
+    return wrapper
+
+
+def _stack(frame: Any) -> list:
+    """The frames from the outermost to `frame`."""
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames[::-1]
+
+
+def _inside(frame: Any, folder: Path) -> bool:
+    return frame.f_code.co_filename.startswith(str(folder) + os.sep)
+
+
+def _bytes(args: tuple, kwargs: dict[str, Any]) -> int:
+    def size(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, (list, tuple)):
+            return sum(size(y) for y in x)
+        return 0
+    return sum(size(a) for a in (*args, *kwargs.values()))
+
+
+def _size(n: int) -> str:
+    return "" if n == 0 else f"{n} B" if n < 10_000 else f"{n / 1e3:.0f} kB" if n < 10_000_000 else f"{n / 1e6:.1f} MB"

@@ -1,0 +1,123 @@
+"""Where the ranks meet, recorded from real runs (--trace-collectives) and held against what the
+project says: the torchrun launcher with 2 gloo processes, on the defaults and on the options
+that change where the ranks meet, at the smallest sizes. Each recorded collective's launcher line
+must name its kind in its comment, and the tour's "Where the ranks meet" table must list that
+line's call with that kind; each of the table's rows must have been recorded; and every rank's
+list must be the same (the rule of collectives)."""
+from __future__ import annotations
+
+import csv
+import sys
+import re
+from pathlib import Path
+
+import pytest
+from conftest import FAST, REPO, SMALL_MODEL, ok, run_cli, train
+
+from test_meeting_points import TOUR, comment_of, leading_to_collectives, meeting_lines
+
+LAUNCHER = REPO / "train_multi_gpu_using_launch.py"
+# The words a comment or the tour uses for each kind.
+WORDS = {"all_reduce": r"all_reduce|all-reduce", "broadcast": r"broadcast", "all_gather": r"all_gather",
+         "barrier": r"barrier"}
+# The runs recorded, in order (a later one may go on from an earlier one's folder): their name
+# and options. Together they reach every line of the table but --check's, whose collectives
+# are those of a job of its own (its own rendezvous, before training would join the group).
+RUNS = {
+    "defaults": ["--epochs", "1"],
+    "resumed": ["--epochs", "2", "--resume", "auto"],  # in the defaults' folder
+    "eval-only": ["--eval-only", "--resume", "{defaults}/last.pth"],
+    "options": ["--epochs", "2", "--sync-bn", "--ema", "--bn-recalibrate", "8", "--accum-steps", "2",
+                "--time-budget", "10m", "--cache", "--device-augment"],
+}
+# Neither is a SIGTERM's stop, whose barrier tests/test_preemption.py makes happen for real.
+NOT_RECORDED = {"check", "save_position_and_exit"}
+
+
+def read_list(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> dict[str, tuple[list[dict], list[dict], str]]:
+    """Each run's rank 0 list, rank 1 list and printed output."""
+    root = tmp_path_factory.mktemp("traced")
+    folders = {"defaults": root / "defaults", "resumed": root / "defaults", "eval-only": root / "eval-only",
+               "options": root / "options"}
+    found = {}
+    for name, options in RUNS.items():
+        options = [o.format(defaults=folders["defaults"]) for o in options]
+        result = ok(train("launch", folders[name], "--trace-collectives", *SMALL_MODEL, *options, nproc=2,
+                          fast=FAST, timeout=300))
+        lists = folders[name] / "collectives"
+        found[name] = (read_list(lists / "rank0.tsv"), read_list(lists / "rank1.tsv"), result.stdout)
+    return found
+
+
+def table() -> dict[str, str]:
+    """The tour's "Where the ranks meet": each row's call and its collectives column."""
+    section = re.search(r"^## Where the ranks meet.*?(?=^## )", TOUR.read_text(), flags=re.M | re.S)[0]
+    rows = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[re.match(r"`([\w.]+)\(", cells[0])[1].rpartition(".")[2]] = cells[1]
+    return rows
+
+
+def calls_by_line() -> dict[int, str]:
+    return dict(meeting_lines(LAUNCHER, leading_to_collectives()))
+
+
+@pytest.mark.slow
+def test_every_rank_makes_the_same_collectives_in_the_same_order(recorded):
+    for name, (rank0, rank1, _) in recorded.items():
+        assert rank0, f"{name}: nothing recorded"
+        strip = [[(r["kind"], r["call"], r["bytes"], r["line"]) for r in rows] for rows in (rank0, rank1)]
+        assert strip[0] == strip[1], f"{name}: rank 0 and rank 1 met differently"
+
+
+@pytest.mark.slow
+def test_each_recorded_collective_is_named_on_its_line_and_in_the_tour(recorded):
+    lines = LAUNCHER.read_text().splitlines()
+    calls, rows = calls_by_line(), table()
+    problems, seen = [], set()
+    for name, (rank0, _, _) in recorded.items():
+        for r in rank0:
+            line, kind = int(r["line"]), r["kind"]
+            if not line:
+                problems.append(f"{name}: {kind} via {r['via']} came from no launcher line")
+                continue
+            call = calls.get(line)
+            if call is None:
+                problems.append(f"{name}: line {line} ({lines[line - 1].strip()}) made a {kind}, "
+                                "but the meeting points' analysis does not see it")
+                continue
+            seen.add(call)
+            if not re.search(rf"\b({WORDS[kind]})", comment_of(lines, line)):
+                problems.append(f"{name}: line {line} {call}() made a {kind} (via {r['via']}); its comment does not say so")
+            if call not in rows:
+                problems.append(f"{name}: {call}() made a {kind}; the tour's table has no row for it")
+            elif not re.search(rf"\b({WORDS[kind]})", rows[call]):
+                problems.append(f"{name}: {call}() made a {kind} (via {r['via']}); the tour's row does not say so")
+    problems += [f"the tour lists {call}(), which no recorded run reached" for call in rows
+                 if call not in seen | NOT_RECORDED]
+    assert not problems, "\n".join(sorted(set(problems)))
+
+
+@pytest.mark.slow
+def test_rank_0_prints_each_epochs_collectives_by_launcher_line(recorded):
+    rank0, _, out = recorded["defaults"]
+    assert "collectives of epoch 1: " in out
+    printed = re.search(r"collectives of epoch 1: (\d+) on rank 0", out)
+    after = re.search(r"collectives after the epochs: (\d+) on rank 0", out)
+    assert int(printed[1]) + int(after[1]) == len(rank0)
+    ddp = [r for r in rank0 if "allreduce" in r["via"]]  # DDP's gradient buckets, through torch's hook
+    assert ddp and all(calls_by_line()[int(r["line"])] == "train_one_epoch" for r in ddp)
+
+
+def test_the_one_process_launcher_refuses_it_and_says_why():
+    result = run_cli([sys.executable, "train_single_gpu.py", "--data-path", "data/flower_photos_sample",
+                      "--trace-collectives"], timeout=60)
+    assert result.returncode != 0 and "one process meets no one" in result.stderr
