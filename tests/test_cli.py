@@ -17,6 +17,7 @@ import train_multi_gpu_using_spawn
 import train_single_gpu
 import utils
 from multi_train_utils.config import get_args_parser
+from recipe.budget import DEFAULT_EPOCHS
 from speed import image_cache
 
 
@@ -192,3 +193,45 @@ def test_every_option_has_help_and_a_line_in_the_options_page(launcher):
                             ("--flip", "random"), ("--plots", "True")):
         after = help_text[help_text.index(f" {option} "):]
         assert f"(default: {default})" in after[:400], option
+
+
+def stated_defaults(page: str) -> dict[str, str]:
+    """docs/options.md's default for each row that names one option (its aliases aside)."""
+    found = {}
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`--"):
+            continue
+        names = re.findall(r"`(--[\w-]+)", cells[0].split("(")[0])
+        names = [n for n in names if not n.startswith("--no-")]
+        if len(names) == 1:
+            found[names[0]] = cells[1]
+    return found
+
+
+def test_the_options_page_states_each_default_the_parser_has():
+
+    """Where a row's default is a plain value (a number, `a name`, off, none), it is the parser's."""
+    parser = get_args_parser("test", "spawn")
+    defaults = {o: a.default for a in parser._actions for o in a.option_strings}
+    checked = 0
+    for option, stated in stated_defaults((REPO / "docs" / "options.md").read_text()).items():
+        default = defaults[option]
+        if option == "--epochs":  # None in the parser: --time-budget alone decides; else DEFAULT_EPOCHS
+            default = DEFAULT_EPOCHS
+        if "<" in stated:  # a default made at run time (the run folder's name)
+            continue
+        if stated == "off":
+            assert default in (False, None, 0), (option, default)
+        elif stated == "on":
+            assert default is True, (option, default)
+        elif stated == "none":
+            assert default is None, (option, default)
+        elif re.fullmatch(r"`[^`]+`", stated):
+            assert str(default) == stated.strip("`"), (option, stated, default)
+        elif re.fullmatch(r"[\d.e+-]+", stated):
+            assert float(default) == float(stated), (option, stated, default)
+        else:
+            continue
+        checked += 1
+    assert checked >= 25, checked
