@@ -282,3 +282,10 @@ def unwrapped(model: nn.Module) -> nn.Module:
 
 def batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def batch_norm_statistics(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The BatchNorm buffers of `module` (running mean, variance and batch count), by state-dict key."""
+    names = {id(m): name for name, m in module.named_modules()}
+    return {f"{names[id(m)]}.{key}".lstrip("."): value.detach().clone()
+            for m in batch_norms(module) for key, value in m.named_buffers(recurse=False)}

@@ -60,7 +60,7 @@ def handling_sigterm_and_faults(output_dir: Path, ctx: DistContext) -> Iterator[
     """The rest of the run, with SIGTERM turned into a request (train_one_epoch reads it, the
     ranks then stop together, and save_position_and_exit ends the run) and its faults named
     (RunBroken) on every rank."""
-    watch = FaultWatch(output_dir, ctx) if ctx.distributed else None
+    watch = FaultWatch(output_dir, ctx).start() if ctx.distributed else None
     try:
         with TerminationRequest(output_dir, ctx) as sigterm:
             yield sigterm
@@ -121,12 +121,16 @@ class FaultWatch:
         self.closed = threading.Event()
         self.here = socket.gethostname()
         self.view = process_id_view()
-        self.store.set(f"who/{ctx.rank}", f"{self.view} {os.getpid()} {started_at(os.getpid())}")
-        self.store.add(f"beat/{ctx.rank}", 1)
         self.neighbours: dict[int, tuple[int, str]] = {}  # the ranks sharing this view of process ids: id, start
         self.elsewhere: set[int] = set()  # the ranks of other machines and PID namespaces
         self.beats: dict[int, tuple[int, float]] = {}  # a neighbour's last count, and when it was seen to move
+
+    def start(self) -> FaultWatch:
+        """Say who this rank is in the store, and start counting there."""
+        self.store.set(f"who/{self.ctx.rank}", f"{self.view} {os.getpid()} {started_at(os.getpid())}")
+        self.store.add(f"beat/{self.ctx.rank}", 1)
         threading.Thread(target=self._beat, name="fault watch", daemon=True).start()
+        return self
 
     def _beat(self) -> None:
         while not self.closed.wait(BEAT_SECONDS):

@@ -125,7 +125,7 @@ def build_datasets(plan: Plan, checkpoint: dict[str, Any] | None, ctx: DistConte
             ctx.print0(f"warning: {recorded} does not exist (a run folder from before runs recorded their files): "
                        f"{args.data_path} is listed and split again, and files added or removed since the run "
                        "started change its split")
-        split = readable_split(plan, ctx)
+        split = readable_split(plan, ctx)  # all_gather: the files each rank could not read
     else:
         verdict = broadcast_object(_recorded_or_error(plan, recorded) if ctx.is_main else None, ctx)
         if isinstance(verdict, str):
@@ -136,6 +136,7 @@ def build_datasets(plan: Plan, checkpoint: dict[str, Any] | None, ctx: DistConte
     ctx.print0(split_summary(split))
     if checkpoint is not None:
         check_classes(checkpoint, split.class_names, path)
+    # --cache: an all_gather, a broadcast, 3 barriers; --device-augment: an all_gather, 2 all_reduces.
     train_set, val_set, crops = datasets_of(split, plan, ctx)
     return RunData(split, root, train_set, val_set, lost_files, crops, recalibration(split, args))
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from model import batch_norms, freeze_backbone, model_for, set_train_mode, unwrapped
+from model import batch_norm_statistics, freeze_backbone, model_for, set_train_mode, unwrapped
 from multi_train_utils.checkpoint import load_weights
 from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum, broadcast_buffers
 from multi_train_utils.progress import Progress
@@ -197,9 +197,8 @@ def train_one_epoch(model: nn.Module, criterion: nn.Module, optimizer: torch.opt
         images, labels = feed.input(images), labels.to(ctx.device, non_blocking=True)
         set_lr(optimizer, schedule(step))
         inputs, targets = mix(images, labels, steps_before * args.accum_steps + batch) if mix else (images, labels)
-        # On a GPU by default (--cuda-graph auto): the step below (forward, backward with DDP's
-        # all-reduce, the optimizer's step), captured once after a few eager steps and replayed in
-        # one launch. None: this batch's step runs below (a warm-up step, an epoch's smaller last batch).
+        # On a GPU by default (--cuda-graph auto): the step below, DDP's all-reduce and the optimizer's step
+        # included, replayed as one CUDA graph; None: it runs below (a warm-up step, an epoch's last batch).
         replayed = graph.replay(inputs, targets, model, criterion, optimizer, scaler, feed.amp_dtype,
                                 args.clip_grad_norm) if graph else None
         if replayed:
@@ -223,7 +222,8 @@ def train_one_epoch(model: nn.Module, criterion: nn.Module, optimizer: torch.opt
             ema.update(step + 1)
         tally.add(loss.detach(), logits, labels, batch)
         if at.closes and at.look:
-            stop, batch_seconds = tally.look(optimizer, epoch, batch, steps.batches, bar, stop_requested)
+            stop, batch_seconds = tally.look(  # all_reduce(MIN): a bad loss, a stop asked, the slowest step
+                optimizer, epoch, batch, steps.batches, bar, stop_requested)
             if stop:
                 stopped = batch + 1
                 break
@@ -364,13 +364,6 @@ def validation_outputs(placed: PlacedModel, loader: Iterable) -> Outputs:
     return list(predictions(placed, loader))
 
 
-def batch_norm_statistics(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The BatchNorm buffers of `module` (running mean, variance and batch count), by state-dict key."""
-    names = {id(m): name for name, m in module.named_modules()}
-    return {f"{names[id(m)]}.{key}".lstrip("."): value.detach().clone()
-            for m in batch_norms(module) for key, value in m.named_buffers(recurse=False)}
-
-
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
     """An epoch's evaluation: the metrics (the weight average's as ema_*), which weights
@@ -412,7 +405,7 @@ def evaluate_epoch(model: nn.Module, loader: Iterable, args: argparse.Namespace,
     for name, module in modules.items():
         feed = placed(module, args, ctx.device)
         if recalibrate:
-            feed = recalibrate(feed, ctx)
+            feed = recalibrate(feed, ctx)  # broadcast: rank 0's recomputed statistics
         outputs = validation_outputs(feed, loader)
         done[name] = (metrics_of(all_reduce_sum(validation_sums(outputs, ctx.device), ctx)), outputs, feed.module)
     val = dict(done["model"][0])
@@ -426,7 +419,7 @@ def evaluate_epoch(model: nn.Module, loader: Iterable, args: argparse.Namespace,
 
 def evaluate(placed: PlacedModel, loader: Iterable, ctx: DistContext) -> dict[str, float]:
     """Exact accuracy and mean loss over the whole validation split."""
-    return validation_metrics(validation_outputs(placed, loader), ctx)
+    return validation_metrics(validation_outputs(placed, loader), ctx)  # all_reduce
 
 
 def validation_metrics(outputs: Outputs, ctx: DistContext) -> dict[str, float]:

@@ -112,10 +112,11 @@ def report_on_best(model: nn.Module, val_loader: DataLoader, data: RunData, outp
     if best is not None:
         epoch, evaluated = best
         source = best_source(output_dir / BEST, epoch, evaluated.better)
-        final_report(evaluated.outputs, data.split, source, output_dir, ctx)
+        final_report(evaluated.outputs, data.split, source, output_dir, ctx)  # all_reduce, all_gather
         return
-    source = use_best_weights(output_dir, model, ctx)
-    final_report(validation_outputs(placed(model, args, ctx.device), val_loader), data.split, source, output_dir, ctx)
+    source = use_best_weights(output_dir, model, ctx)  # broadcast: whether rank 0 sees best.pth
+    outputs = validation_outputs(placed(model, args, ctx.device), val_loader)
+    final_report(outputs, data.split, source, output_dir, ctx)  # all_reduce, all_gather
 
 
 def best_source(path: Path, epoch: int, better: str) -> str:
@@ -156,14 +157,14 @@ def evaluate_only(model: nn.Module, checkpoint: dict[str, Any] | None, val_loade
         source = checkpoint["loaded_from"]
     feed = placed(model, args, ctx.device)
     if data.recalibrate:
-        feed = data.recalibrate(feed, ctx)
+        feed = data.recalibrate(feed, ctx)  # broadcast: rank 0's recomputed statistics
     outputs = validation_outputs(feed, val_loader)
-    result = validation_metrics(outputs, ctx)
+    result = validation_metrics(outputs, ctx)  # all_reduce
     ctx.print0(f"eval {source}: acc {result['val_acc']:.4f} ({result['val_correct']}/{result['val_total']}), "
                f"loss {result['val_loss']:.4f}")
     if ctx.is_main:
         write_json(output_dir / "eval.json", {**result, "weights": source, "world_size": ctx.world_size})
-    final_report(outputs, data.split, source, output_dir, ctx)
+    final_report(outputs, data.split, source, output_dir, ctx)  # all_reduce, all_gather
     if ctx.is_main and args.plots:
         with Plotter(output_dir) as plotter:
             plotter.draw_report()

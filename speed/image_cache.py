@@ -25,7 +25,8 @@ from utils import DataSplit, UserError, load_rgb
 def shared_cache(split: DataSplit, config: Mapping[str, Any], ctx: DistContext) -> SharedImageCache:
     """Every image of the split in shared memory, at the size the run's transforms start from."""
     started = time.perf_counter()
-    cache = SharedImageCache([p for p, _ in split.train + split.val], cache_short_side(config), ctx)
+    # all_gather, broadcast and 3 barriers: every process of a machine maps one file that they fill together
+    cache = SharedImageCache.filled_together([p for p, _ in split.train + split.val], cache_short_side(config), ctx)
     ctx.print0(f"cache: {len(cache.shapes)} images, {cache.nbytes / 2**20:.0f} MiB of shared memory, one copy "
                f"for the {ctx.local_world_size} process(es) on this machine, filled in "
                f"{time.perf_counter() - started:.1f}s")
@@ -44,34 +45,44 @@ class SharedImageCache:
     rank or per worker.
     """
 
-    def __init__(self, paths: Sequence[str], short_side: int, ctx: DistContext):
-        if sys.platform != "linux":
-            raise UserError("--cache needs Linux (a /dev/shm file shared with forked loader workers)")
+    def __init__(self, paths: Sequence[str], shapes: list[tuple[int, int]]):
+        """The layout alone: where each picture of `paths`, of its (height, width), will lie."""
         self.index = {p: i for i, p in enumerate(paths)}
-        self.shapes = [picture_shape(p, short_side) for p in paths]  # header reads only
+        self.shapes = shapes
         sizes = [h * w * 3 for h, w in self.shapes]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.nbytes = int(self.offsets[-1])
-        check_cache_room(self.nbytes, ctx)
+
+    @classmethod
+    def filled_together(cls, paths: Sequence[str], short_side: int, ctx: DistContext) -> SharedImageCache:
+        """The cache of `paths` at `short_side`, made by every process of the job at once: local
+        rank 0 creates the file, all map it and fill their share of it. Collectives: an
+        all_gather (whether each machine has the room), a broadcast of the file's name, and 3
+        barriers."""
+        if sys.platform != "linux":
+            raise UserError("--cache needs Linux (a /dev/shm file shared with forked loader workers)")
+        cache = cls(paths, [picture_shape(p, short_side) for p in paths])  # header reads only
+        check_cache_room(cache.nbytes, ctx)
         token = broadcast_object(secrets.token_hex(8) if ctx.is_main else None, ctx)
         path = f"/dev/shm/imgcache-{token}-{machine_index(ctx)}"  # one per machine, even two "machines" on one
         creator = ctx.local_rank == 0
         if creator:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, max(1, self.nbytes))
+            os.ftruncate(fd, max(1, cache.nbytes))
         barrier(ctx)
         if not creator:
             fd = os.open(path, os.O_RDWR)
-        self._map = mmap.mmap(fd, max(1, self.nbytes))
-        self._fd = fd  # kept open: a loader worker started by a fork server maps the memory through it
+        cache._map = mmap.mmap(fd, max(1, cache.nbytes))
+        cache._fd = fd  # kept open: a loader worker started by a fork server maps the memory through it
         barrier(ctx)
         if creator:
             os.unlink(path)
-        self.pixels = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes)
+        cache.pixels = np.frombuffer(cache._map, dtype=np.uint8, count=cache.nbytes)
         mine = range(ctx.local_rank, len(paths), ctx.local_world_size)
         with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:  # PIL releases the GIL
-            list(pool.map(lambda i: self._fill(i, paths[i], short_side), mine))
+            list(pool.map(lambda i: cache._fill(i, paths[i], short_side), mine))
         barrier(ctx)
+        return cache
 
     def __getstate__(self) -> dict[str, Any]:
         """What a loader worker started by a fork server receives: the file, not the pixels."""

@@ -24,7 +24,7 @@ SINGLE = DistContext.single()
 def test_cached_pixels_are_the_resized_image():
     _, samples = list_images(str(SAMPLE))
     paths = [p for p, _ in samples[:6]]
-    cache = SharedImageCache(paths, short_side=64, ctx=SINGLE)
+    cache = SharedImageCache.filled_together(paths, short_side=64, ctx=SINGLE)
     for path in paths:
         pixels = cache.get(path)
         assert pixels.dtype == torch.uint8 and min(pixels.shape[1:]) == 64
@@ -47,7 +47,7 @@ def _short_of_memory_on_rank_1(rank: int, port: int, out: str, check: str) -> No
         image_cache.memory_available = lambda: 1024
     try:
         if check == "cache":
-            SharedImageCache([p for p, _ in list_images(str(SAMPLE))[1][:6]], short_side=32, ctx=ctx)
+            SharedImageCache.filled_together([p for p, _ in list_images(str(SAMPLE))[1][:6]], short_side=32, ctx=ctx)
         else:
             check_device_room(2**20, ctx)
         outcome = "went on"

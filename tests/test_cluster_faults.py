@@ -60,7 +60,7 @@ def test_a_rank_under_another_pid_namespace_is_judged_by_its_count(tmp_path, mon
     looks it up in its own /proc, and names it only once its count stops (SILENT_SECONDS)."""
     monkeypatch.setattr(faults, "SILENT_SECONDS", 1.0)
     store = job_store()
-    watch = FaultWatch(tmp_path, rank_of_two(0, store))
+    watch = FaultWatch(tmp_path, rank_of_two(0, store)).start()
     try:
         store.set("who/1", f"{process_id_view()}-elsewhere 1 -")
         beating = threading.Event()
@@ -94,7 +94,7 @@ def test_a_neighbour_is_named_only_once_its_process_is_gone_and_its_count_has_st
             store.add("beat/1", 1)
 
     threading.Thread(target=beat, daemon=True).start()
-    watch = FaultWatch(tmp_path, rank_of_two(0, store))
+    watch = FaultWatch(tmp_path, rank_of_two(0, store)).start()
     try:
         time.sleep(3 * faults.BEAT_SECONDS)
         assert not store.check(["ended"])
@@ -110,7 +110,7 @@ def test_a_neighbour_is_named_only_once_its_process_is_gone_and_its_count_has_st
     # Rank 1's id now belongs to another process (this one, which started at another time).
     store.set("who/1", f"{process_id_view()} {os.getpid()} 1")
     store.add("beat/1", 1)
-    watch = FaultWatch(tmp_path, rank_of_two(0, store))
+    watch = FaultWatch(tmp_path, rank_of_two(0, store)).start()
     try:
         assert watch._ended() == [1]
         store.set("who/1", f"{process_id_view()} {os.getpid()} {started_at(os.getpid())}")  # the same process

@@ -16,13 +16,12 @@ from torchvision.transforms import v2
 
 import predict
 import train_single_gpu
-from model import BlurConv2d, classifier, create_model, freeze_backbone
+from model import BlurConv2d, batch_norm_statistics, classifier, create_model, freeze_backbone
 from multi_train_utils.checkpoint import load_checkpoint, model_from_checkpoint
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.progress import Progress
 from multi_train_utils.train_eval_utils import (
     PlacedModel,
-    batch_norm_statistics,
     build_optimizer,
     place_model,
     train_one_epoch,
