@@ -133,7 +133,7 @@ class RunFiles:
                                               "world_size": ctx.world_size, "torch": torch.__version__, **fixed})
         write_json(output_dir / "class_indices.json", dict(enumerate(split.class_names)))
         save_split(split, output_dir / SPLIT_FILE, self.data_root)
-        restore_metrics(output_dir / METRICS_FILE, progress.epoch)
+        truncate_metrics_after(output_dir / METRICS_FILE, progress.epoch)
         # Forked before this object starts threads of its own: a child has the parent's imports.
         if plan.args.plots:
             self.plotter = Plotter(output_dir, prepare_helper_start(ctx)).__enter__()  # its processes forked now
@@ -206,7 +206,7 @@ class RunFiles:
             print(f"done: best val_acc {self.progress.best_acc:.4f}; checkpoints and logs in {self.output_dir}", flush=True)
 
 
-def restore_metrics(path: Path, completed_epochs: int) -> None:
+def truncate_metrics_after(path: Path, completed_epochs: int) -> None:
     """Keep only the epochs the checkpoint includes: a run killed after writing metrics for
     epoch k+1 but before its checkpoint must not log epoch k+1 twice once resumed."""
     if not path.exists():

@@ -7,9 +7,9 @@ torch's watchdog in a worker watches the worker's parent, which is the server.
 
 A SIGTERM sent to the whole job (SLURM, `kill -TERM -PGID`) is the training process's to act
 on: the server ignores it, or the next loader worker it should fork would fail the run. It
-ignores it from its start (prepare_helper_start starts it so), and leave_sigterm_to keeps it so for
+ignores it from its start (prepare_helper_start starts it so), and ignore_sigterm keeps it so for
 the server's children."""
-from processes.helper_signals import die_with_parent, leave_sigterm_to
+from processes.helper_signals import die_with_parent, ignore_sigterm
 
 die_with_parent()
-leave_sigterm_to(None)
+ignore_sigterm()

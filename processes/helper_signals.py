@@ -52,7 +52,14 @@ class ForkWithSigtermBlocked(multiprocessing.context.ForkContext):
     Process = ForkedWithSigtermBlocked
 
 
-def leave_sigterm_to(trainer: int | None) -> None:
+def ignore_sigterm() -> None:
+    """Every SIGTERM left alone, blocked and ignored: the fork server's way (it ends with the
+    training process in any case, and its children inherit the blocked signal)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a thread that does not block it drops it
+
+
+def leave_sigterm_to(trainer: int) -> None:
     """In a helper process (a loader worker, a plotter, the fork server) of the training process
     `trainer`: a SIGTERM from that process ends this one, as torch's DataLoader and
     multiprocessing end their children; a SIGTERM from anyone else is left to the training
@@ -62,11 +69,9 @@ def leave_sigterm_to(trainer: int | None) -> None:
     worker dies of a SIGTERM its parent did not send (torch's handler), and the run would fail
     on the dead worker instead. The signal stays blocked (from the fork on: prepare_helper_start), and
     a thread of this process's own takes it with sigwaitinfo, which tells who sent it (a
-    handler is not told). `trainer` None: every SIGTERM is left alone (the fork server, which
-    ends with the training process in any case, and whose children inherit the blocked signal)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a thread that does not block it drops it
-    if trainer is None or not hasattr(signal, "sigwaitinfo"):  # sigwaitinfo: Linux and most Unixes, not macOS
+    handler is not told)."""
+    ignore_sigterm()
+    if not hasattr(signal, "sigwaitinfo"):  # sigwaitinfo: Linux and most Unixes, not macOS
         return
 
     def wait_for_the_trainers_sigterm() -> None:
