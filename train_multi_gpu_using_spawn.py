@@ -57,7 +57,7 @@ def main() -> None:
         # the processes counted.
         plan = check_and_list_images(args, "spawn")
         # The processes meet at a store this launcher hosts: at --dist-url or MASTER_ADDR:MASTER_PORT,
-        # else at a free port on 127.0.0.1.
+        # else at a free port on 127.0.0.1, and then gloo too stays on loopback (GLOO_SOCKET_IFNAME set).
         store = host_store(args)
     with passing_sigterm_on() as started:  # a SIGTERM to the launcher alone reaches its processes
         context = mp.spawn(worker, args=(plan, (store.host, store.port)), nprocs=plan.world_size, join=False)
@@ -138,7 +138,8 @@ def train(plan, ctx) -> None:
         best = None
         files = RunFiles(output_dir, plan, data.split, data.root, progress, model_without_ddp, optimizer, scaler, ema,
                          ctx, began) if ctx.is_main else None
-        with files or nullcontext():  # rank 0: config.json and the split written now, each epoch's files beside the training
+        # Rank 0's files: config.json and the split written as it is entered, each epoch's beside the training.
+        with files or nullcontext():
             for epoch in range(progress.epoch + 1, progress.last_epoch + 1):
                 if args.time_budget:
                     # broadcast, once epoch 1 has run: rank 0's count of the epochs that fit (the crops follow it).
@@ -147,11 +148,11 @@ def train(plan, ctx) -> None:
                     if not progress.budget_allows(epoch, args, ctx):
                         break
                 train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-                # all_reduce: DDP's of the gradients in every backward(), a small one at least every 20 steps
-                # (a NaN loss or a SIGTERM on any rank stops them all), and the epoch's loss and accuracy;
-                # with --sync-bn two per BatchNorm layer and batch. broadcast: DDP's of rank 0's buffers at
-                # every forward (the BatchNorm statistics each rank starts the batch from). On a GPU the
-                # step is a CUDA graph, replayed after a few eager steps (--cuda-graph off: always the eager one).
+                # all_reduce: DDP's of the gradients in the backward() that closes each step, a small one at
+                # least every 20 steps (a NaN loss or a SIGTERM on any rank stops them all), and the epoch's loss
+                # and accuracy; with --sync-bn two per BatchNorm layer and batch. broadcast: DDP's of rank 0's
+                # buffers in the forward that closes each step. On a GPU the step is a CUDA graph, replayed
+                # after a few eager steps (--cuda-graph off: always the eager one).
                 train_stats = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress,
                                               args, ctx, ema, sigterm)
                 if train_stats["stopped_after"]:  # SIGTERM: every rank stopped after the same step

@@ -42,7 +42,7 @@ def main() -> None:
     with exit_on_error():
         exit_75_on_sigterm()  # a SIGTERM before training: exit 75 (requeue me); during it: a stop at a step
         args = read_command_line("single", __doc__)
-        plan = check_and_list_images(args, "single")  # the options checked, the images downloaded (--download) and listed
+        plan = check_and_list_images(args, "single")  # options checked, images downloaded (--download) and listed
         if args.check:
             sys.exit(check(plan, None))
         train(plan, setup_single(args.device))  # the device, and this process's share of the cores

@@ -11,10 +11,11 @@ made, to `collectives/rank<R>.tsv` in the run folder (every rank its own: that i
 By the rule of collectives every rank's list is the same; `tests/test_collective_trace.py`
 checks it, and checks the launchers' comments and the tour against the lists.
 
-Torch's own Flight Recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) records NCCL's collectives in C++,
-without the Python line that made them and not on gloo: it says what hung, this says why each
-collective is there. A replayed CUDA graph makes its collectives without Python, so a traced
-run steps eagerly (docs/how-it-works.md).
+Torch's own Flight Recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) records the process group's
+collectives in C++, on the backends and torch versions that have it, without the Python line
+that led to them: it says what hung; this says why each collective is there, on every torch the
+project supports. A replayed CUDA graph makes its collectives without Python, so a traced run
+steps eagerly (docs/how-it-works.md).
 """
 from __future__ import annotations
 

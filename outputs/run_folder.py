@@ -23,7 +23,8 @@ from torch.utils.tensorboard import SummaryWriter
 
 from multi_train_utils.checkpoint import check_architecture, copy_atomic, load_checkpoint, make_checkpoint, save_atomic, snapshot
 from multi_train_utils.config import Plan
-from multi_train_utils.distributed_utils import DistContext, broadcast_object, prepare_helper_start
+from multi_train_utils.distributed_utils import (DistContext, broadcast_object,
+                                                 prepare_helper_start)
 from multi_train_utils.progress import Progress
 from outputs.plotter import Plotter
 from recipe.ema import WeightAverage
@@ -122,7 +123,8 @@ class RunFiles:
         self.plotter: Plotter | None = None
         self._in_flight: list[Future] = []
         self._epoch = 0  # the epoch whose files are in flight
-        self.scaling = ScalingTally(ctx.world_size, plan.args.batch_size, plan.args.accum_steps)  # a multi-process run's last line
+        # A multi-process run's last line: how the processes helped.
+        self.scaling = ScalingTally(ctx.world_size, plan.args.batch_size, plan.args.accum_steps)
 
     def __enter__(self) -> RunFiles:
         """The run's first files, the pictures of its data, TensorBoard's log and the writer thread."""

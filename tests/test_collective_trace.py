@@ -121,3 +121,37 @@ def test_the_one_process_launcher_refuses_it_and_says_why():
     result = run_cli([sys.executable, "train_single_gpu.py", "--data-path", "data/flower_photos_sample",
                       "--trace-collectives"], timeout=60)
     assert result.returncode != 0 and "one process meets no one" in result.stderr
+
+
+def count(rows: list[dict], line_call: str, via: str, calls: dict[int, str]) -> int:
+    return sum(1 for r in rows if calls.get(int(r["line"])) == line_call and via in r["via"])
+
+
+@pytest.mark.slow
+def test_the_counts_the_tour_and_the_comments_state(recorded):
+    """Per epoch: DDP's buffer broadcast in the forward that closes each step (with
+    --accum-steps 2, every other batch); rank 0's BatchNorm statistics in two broadcasts per
+    model (one per dtype); one all_reduce of the sums per model evaluated and per epoch trained;
+    a look after the first step and at the last."""
+    calls = calls_by_line()
+    for name, epochs, models, batches_per_step in (("defaults", 1, 1, 1), ("options", 2, 2, 2)):
+        rows, _, out = recorded[name]
+        batches = int(re.search(r"(\d+) batches per process", out)[1])
+        steps = -(-batches // batches_per_step)
+        assert count(rows, "train_one_epoch", "_distributed_broadcast_coalesced", calls) == epochs * steps, name
+        assert count(rows, "take_rank0_batchnorm_statistics", "broadcast_buffers", calls) == epochs * 2 * models, name
+        assert count(rows, "evaluate_epoch", "evaluate_epoch > all_reduce_sum", calls) == epochs * models, name
+        assert count(rows, "train_one_epoch", "train_one_epoch > all_reduce_sum", calls) == epochs, name
+        assert count(rows, "train_one_epoch", "all_reduce_min", calls) >= 2 * epochs, name
+    rows, _, _ = recorded["options"]  # --bn-recalibrate: two broadcasts per model before each evaluation
+    assert count(rows, "evaluate_epoch", "BatchNormRecalibration.__call__ > broadcast_buffers", calls) == 2 * 2 * 2
+
+
+def test_the_tours_recorded_epoch_names_the_launchers_lines_as_they_are():
+    """The tour's printed example names launcher lines: each must still be the call it shows."""
+    block = re.search(r"```output\ncollectives of epoch 1:.*?```", TOUR.read_text(), flags=re.S)
+    assert block, "the tour shows a recorded epoch"
+    calls = calls_by_line()
+    for line, via in re.findall(r"^  line +(\d+): .* via (\S+)", block[0], flags=re.M):
+        expected = "DistributedDataParallel" if via.startswith("torch:") else via
+        assert calls.get(int(line)) == expected, (line, via, calls.get(int(line)))
