@@ -60,7 +60,7 @@ def main() -> None:
         # downloaded (--download) and listed, torchrun's (or srun's) ranks read.
         plan = check_and_list_images(args, "launch")
         if args.check:  # diagnose instead of training
-            sys.exit(check(plan, plan.rendezvous))  # its own rendezvous, then an all_gather and all_reduces
+            sys.exit(check(plan, plan.rendezvous))  # its own group; all_gather, broadcast, all_reduce
         if args.trace_collectives:  # every collective from here on recorded, with the line below that led to it
             collective_trace.start(__file__)
         # dist.init_process_group: NCCL on GPUs, gloo on the CPU, each process on its local rank's GPU
@@ -84,7 +84,7 @@ def train(plan, ctx) -> None:
     # SIGTERM a request, a lost peer named; --trace-collectives: each rank's list kept, however the run ends.
     with collective_trace.kept(output_dir, ctx), handling_sigterm_and_faults(output_dir, ctx) as sigterm:
         # all_gather: the unreadable files each rank found, so all split alike (resuming: two broadcasts,
-        # of rank 0's recorded split and its verdict on the files). --cache: a broadcast, an all_gather and
+        # whether rank 0 sees the run's split.json, then its verdict and the split). --cache: a broadcast, an all_gather and
         # 3 barriers; --device-augment: an all_gather and 2 all_reduces.
         data = build_datasets(plan, checkpoint, ctx)
         # Each rank draws its own 1/world_size of the training images, in a new order every epoch.
@@ -136,9 +136,9 @@ def train(plan, ctx) -> None:
                 train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
                 # all_reduce: DDP's of the gradients in the backward() that closes each step, a small one at
                 # least every 20 steps (a NaN loss or a SIGTERM on any rank stops them all), and the epoch's loss
-                # and accuracy; with --sync-bn two per BatchNorm layer and batch. broadcast: DDP's of rank 0's
-                # buffers in the forward that closes each step. On a GPU the step is a CUDA graph, replayed
-                # after a few eager steps (--cuda-graph off: always the eager one).
+                # and accuracy; --sync-bn: 4 per BatchNorm layer and batch on the CPU, an all_gather and an
+                # all_reduce on GPUs. broadcast: DDP's of rank 0's buffers in the forward of each step's first
+                # batch. On a GPU the step is a CUDA graph, replayed after a few eager steps (--cuda-graph off).
                 train_stats = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress,
                                               args, ctx, ema, sigterm)
                 if train_stats["stopped_after"]:  # SIGTERM: every rank stopped after the same step

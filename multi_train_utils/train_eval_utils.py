@@ -171,9 +171,9 @@ def train_one_epoch(model: nn.Module, criterion: nn.Module, optimizer: torch.opt
     resumed run stopped in: `progress` says where): per batch the forward pass, `loss.backward()`
     and, on the batch that closes an optimizer step (--accum-steps), the step itself.
 
-    Collectives: DDP's all-reduce of the gradients in each closing backward(); every CHECK_EVERY
-    steps an all_reduce(MIN) of two numbers (a non-finite loss anywhere ends the run, a
-    `stop_requested` anywhere stops every rank after this step: "stopped" in the result); and
+    Collectives: DDP's all-reduce of the gradients in each closing backward(); at least every
+    CHECK_EVERY steps an all_reduce(MIN) of three numbers (a non-finite loss anywhere ends the run, a
+    `stop_requested` anywhere stops every rank after this step, the slowest rank's step); and
     one all_reduce(SUM) of the epoch's sums at its end. The result: the epoch's loss and
     accuracy over all ranks, and its seconds, for the record."""
     started = clock()

@@ -3,7 +3,11 @@ through `torch.distributed` (the project's helpers, and those that DDP, SyncBatc
 object collectives make inside torch) is written down with its kind, its size and the launcher
 line that led to it, read from the Python stack. DDP's gradient all-reduces happen in its C++
 reducer, out of Python's sight: a traced run gives DDP torch's own `allreduce_hook` (the same
-sums, made through `dist.all_reduce`), so they are recorded too.
+sums, made through `dist.all_reduce`), so they are recorded too. What DDP's C++ does beyond
+them stays unseen (when it rebuilds its buckets after the first step, it broadcasts their
+layout from rank 0). A size is the bytes of the tensors handed to the call (an all_gather's
+output list included); an object collective's, a barrier's and DDP's check of the parameters'
+shapes count none.
 
 At the end of each epoch rank 0 prints its collectives of the epoch grouped by launcher line;
 at the end of the run every rank writes its whole list, one collective a line, in the order
@@ -36,13 +40,15 @@ import torch.distributed as dist
 # torch.distributed's functions that make a collective, by the name a reader meets. An object
 # collective (broadcast_object_list, all_gather_object) is recorded as itself, not as the
 # broadcasts and gathers it makes inside.
-TRACED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce",
-          "gather", "scatter", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+TRACED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+          "reduce_scatter_tensor", "reduce_scatter_single", "reduce", "gather", "scatter", "all_to_all",
+          "all_to_all_single", "barrier", "monitored_barrier",
           "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
           "_broadcast_coalesced", "_verify_params_across_processes")
 # What a reader calls each: the word a launcher's comment uses for it.
 KINDS = {"all_reduce": "all_reduce", "broadcast": "broadcast", "broadcast_object_list": "broadcast",
          "_broadcast_coalesced": "broadcast", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
+         "all_gather_single": "all_gather",
          "all_gather_object": "all_gather", "_verify_params_across_processes": "all_gather",
          "gather_object": "gather", "gather": "gather", "barrier": "barrier", "monitored_barrier": "barrier"}
 PROJECT = Path(__file__).resolve().parent.parent
@@ -66,26 +72,27 @@ class Trace:
     """This process's collectives, in the order made."""
 
     def __init__(self, launcher: str):
-        self.launcher = os.path.realpath(launcher)
+        self.launcher = _real(launcher)
         self.made: list[Collective] = []
         self.printed = 0  # the collectives rank 0 has already printed
         self.lock = threading.Lock()
 
     def record(self, call: str, args: tuple, kwargs: dict[str, Any]) -> None:
         frames = _stack(sys._getframe(2))
-        if not any(f.f_code.co_filename == self.launcher for f in frames):
+        if not any(_real(f.f_code.co_filename) == self.launcher for f in frames):
             # DDP's hook runs on autograd's thread: the training thread's stack says where it is.
             main = sys._current_frames().get(threading.main_thread().ident)
             frames = _stack(main) + frames if main is not None else frames
         line, via = self.origin(frames)
         with self.lock:
-            self.made.append(Collective(len(self.made) + 1, call, KINDS.get(call, call), _bytes(args, kwargs),
-                                        line, via))
+            size = 0 if call == "_verify_params_across_processes" else _bytes(args, kwargs)  # shapes compared
+            self.made.append(Collective(len(self.made) + 1, call, KINDS.get(call, call), size, line, via))
 
     def origin(self, frames: list) -> tuple[int, str]:
         """The innermost launcher line of `frames` (outermost first), and the calls below it."""
-        at = max((i for i, f in enumerate(frames) if f.f_code.co_filename == self.launcher), default=None)
-        below = [f for f in (frames[at + 1:] if at is not None else frames) if f.f_code.co_filename != __file__]
+        at = max((i for i, f in enumerate(frames) if _real(f.f_code.co_filename) == self.launcher), default=None)
+        below = [f for f in (frames[at + 1:] if at is not None else frames)
+                 if _real(f.f_code.co_filename) != _real(__file__)]
         ours = [i for i, f in enumerate(below) if _inside(f, PROJECT) and not _inside(f, TORCH)]
         project = [getattr(below[i].f_code, "co_qualname", below[i].f_code.co_name) for i in ours]
         # torch's function that made the call, where torch made it (DDP's, SyncBatchNorm's), not ours
@@ -95,7 +102,8 @@ class Trace:
 
     def grouped(self, title: str, output_dir: Path) -> list[str]:
         """The collectives since the last print, grouped by launcher line, in the order made."""
-        made, self.printed = self.made[self.printed:], len(self.made)
+        with self.lock:
+            made, self.printed = self.made[self.printed:], len(self.made)
         groups: dict[tuple, list[Collective]] = collections.defaultdict(list)
         for c in made:
             groups[(c.line, c.kind, c.via)].append(c)
@@ -111,7 +119,8 @@ class Trace:
         folder.mkdir(exist_ok=True)
         with self.lock:
             rows = [c.row() for c in self.made]
-        (folder / f"rank{rank}.tsv").write_text("index\tkind\tcall\tbytes\tline\tvia\n" + "".join(r + "\n" for r in rows))
+        header = "index\tkind\tcall\tbytes\tline\tvia\n"
+        (folder / f"rank{rank}.tsv").write_text(header + "".join(r + "\n" for r in rows))
 
 
 _trace: Trace | None = None  # one per process, as torch.distributed's functions are
@@ -138,7 +147,8 @@ def watch_gradients(model: torch.nn.Module) -> None:
 def print_epoch(epoch: int, output_dir: Path, ctx: Any) -> None:
     """Rank 0 prints the collectives it made since the last print, grouped by launcher line."""
     if _trace is not None and ctx.is_main:
-        print("\n".join(_trace.grouped(f"collectives of epoch {epoch}", output_dir)), flush=True)
+        title = f"collectives of epoch {epoch}" if _trace.printed else f"collectives of the start and epoch {epoch}"
+        print("\n".join(_trace.grouped(title, output_dir)), flush=True)
 
 
 @contextlib.contextmanager
@@ -149,7 +159,10 @@ def kept(output_dir: Path, ctx: Any) -> Iterator[None]:
         yield
     finally:
         if _trace is not None:
-            _trace.write(output_dir, ctx.rank)
+            try:
+                _trace.write(output_dir, ctx.rank)
+            except OSError as e:  # a full or lost disk: the run's own error, if any, is the one to report
+                print(f"warning: rank {ctx.rank} could not write its list of collectives: {e}", file=sys.stderr)
             if ctx.is_main and _trace.printed < len(_trace.made):
                 print("\n".join(_trace.grouped("collectives after the epochs", output_dir)), flush=True)
 
@@ -173,7 +186,13 @@ def _stack(frame: Any) -> list:
 
 
 def _inside(frame: Any, folder: Path) -> bool:
-    return frame.f_code.co_filename.startswith(str(folder) + os.sep)
+    return _real(frame.f_code.co_filename).startswith(str(folder) + os.sep)
+
+
+@functools.lru_cache(maxsize=None)
+def _real(filename: str) -> str:
+    """The file's path with its links resolved, as PROJECT's and TORCH's are."""
+    return os.path.realpath(filename)
 
 
 def _bytes(args: tuple, kwargs: dict[str, Any]) -> int:

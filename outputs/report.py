@@ -108,7 +108,7 @@ def report_on_best(model: nn.Module, val_loader: DataLoader, data: RunData, outp
     Evaluation; no second pass). When that epoch ran before a resume (`best` is None), best.pth
     is loaded into `model`, after a broadcast of whether rank 0 sees it (rank 0 may still be
     writing it), and evaluated again. Collectives: an all_reduce of the counts and an all_gather
-    of the mistakes (and that broadcast and the evaluation's all_reduce)."""
+    of the mistakes (and, when it reloads, that broadcast)."""
     if best is not None:
         epoch, evaluated = best
         source = best_source(output_dir / BEST, epoch, evaluated.better)
