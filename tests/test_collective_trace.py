@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import FAST, REPO, SMALL_MODEL, ok, run_cli, train
+from conftest import FAST, FAST_DEFAULT_WORKERS, REPO, SMALL_MODEL, ok, run_cli, train
 
 from test_meeting_points import TOUR, comment_of, leading_to_collectives, meeting_lines
 
@@ -32,6 +32,8 @@ RUNS = {
 }
 # Neither is a SIGTERM's stop, whose barrier tests/test_preemption.py makes happen for real.
 NOT_RECORDED = {"check", "save_position_and_exit"}
+# The defaults' run keeps the default loader workers (processes of their own, which meet no one);
+# the others take none, to stay small.
 
 
 def read_list(path: Path) -> list[dict[str, str]]:
@@ -49,7 +51,7 @@ def recorded(tmp_path_factory) -> dict[str, tuple[list[dict], list[dict], str]]:
     for name, options in RUNS.items():
         options = [o.format(defaults=folders["defaults"]) for o in options]
         result = ok(train("launch", folders[name], "--trace-collectives", *SMALL_MODEL, *options, nproc=2,
-                          fast=FAST, timeout=300))
+                          fast=FAST_DEFAULT_WORKERS if name == "defaults" else FAST, timeout=300))
         lists = folders[name] / "collectives"
         found[name] = (read_list(lists / "rank0.tsv"), read_list(lists / "rank1.tsv"), result.stdout)
     return found
