@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements and checks of docs/performance.md and docs/troubleshooting.md, as run on a
 # lent GPU machine in calls of under ten minutes (`bash benchmarks/gpu_session.sh 1`, then `... 2`
-# in the first loan; `3`, then `4`, in the second): each step is cut by its own time limit, so that
+# in the first loan; `3`, then `4`, in the second; `5` in the third): each step is cut by its own time limit, so that
 # a call ends inside its lease, and each writes its result under $OUT as it finishes (parts 3 and 4:
 # the JSON results in $OUT/results.tar, refreshed after every step). DATA: the 800-photo
 # development folder.
@@ -127,4 +127,29 @@ if [ "$1" = 4 ]; then
         -p no:cacheprovider --timeout 240 --durations=25 > "$OUT/suite.txt" 2>&1
     grep -E "(FAILED|ERROR)" "$OUT/suite.txt" | tail -40; tail -30 "$OUT/suite.txt"
     echo "the suite took $(( $(date +%s) - started )) s"
+fi
+
+# Part 5: the collective recorder on NCCL; the README's GPU figures again, all on one GPU in one call.
+if [ "$1" = 5 ]; then
+    mkdir -p "$R"
+    step "machine"
+    { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+      $PY -c "import sys, torch, torchvision; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda',
+torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'nccl', torch.cuda.nccl.version(), 'torchvision',
+torchvision.__version__)"
+      lscpu | grep -E '^(Model name|CPU\(s\))'; } 2>&1 | tee "$R/machine.txt"; keep
+
+    step "--trace-collectives under torchrun with NCCL"
+    timeout 120 $PY -m pytest tests/test_gpu.py -v -s -p no:cacheprovider --timeout 110 -k "recorder" 2>&1 \
+        | tee "$R/recorder-nccl.log" | tail -40; keep
+
+    step "the whole job, 10 epochs of 3,670 photos: the defaults, the eager step, batch 256 with the data on the GPU"
+    timeout 200 $PY -m benchmarks endtoend --data-path "$DATA" --images 3670 --epochs 10 --batch-size 16 --repeats 1 \
+        --variant '' --variant '--cuda-graph off' --variant '--batch-size 256 --device-augment --cache' \
+        --out "$R/endtoend.json" 2>&1 | grep -v Warning | tee "$R/endtoend.log" | tail -12; keep
+
+    step "throughput at batch 256, real JPEGs: the original recipe, the defaults, --compile"
+    timeout 190 $PY -m benchmarks throughput --data-path "$DATA" --images 10000 --world-sizes 1 --batch-size 256 \
+        --steps 30 --warmup 10 --repeats 1 --no-synthetic --configs seed ours ours-compile \
+        --out "$R/throughput-b256.json" 2>&1 | grep -v Warning | tee "$R/throughput.log" | tail -10; keep
 fi

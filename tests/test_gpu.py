@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 from torch.nn.parallel import DistributedDataParallel
 import torch.distributed as dist
+from test_collective_trace import contradictions, read_list
 from conftest import SAMPLE, call_main, kill_group, launcher_cmd, metrics, ok, run_cli, start, train, wait_for_epochs
 
 import predict
@@ -245,13 +246,17 @@ def test_evaluation_on_the_gpu_agrees_with_the_cpu(gpu_run, tmp_path):
 
 
 def test_a_checkpoint_moves_from_gpu_to_cpu_and_back(gpu_run, tmp_path):
+    """An epoch's checkpoint (its momentum in NCHW: the background writer's pinned copies are
+    contiguous) resumes on the GPU, whose channels_last step refused it until the resume laid the
+    buffers out as the parameters; then on the CPU, then on the GPU again."""
     out, _ = gpu_run
     run = tmp_path / "run"
     shutil.copytree(out, run)
-    ok(train("single", run, "--epochs", "3", "--resume", "auto", "--device", "cpu", "--img-size", "64",
+    ok(train("single", run, "--epochs", "3", "--resume", "auto", *ON_GPU))
+    ok(train("single", run, "--epochs", "4", "--resume", "auto", "--device", "cpu", "--img-size", "64",
              "--batch-size", "16"))
-    ok(train("single", run, "--epochs", "4", "--resume", "auto", *ON_GPU))
-    assert [r["epoch"] for r in metrics(run)] == [1, 2, 3, 4]
+    ok(train("single", run, "--epochs", "5", "--resume", "auto", *ON_GPU))
+    assert [r["epoch"] for r in metrics(run)] == [1, 2, 3, 4, 5]
 
 
 def test_predict_on_the_gpu(gpu_run, capsys):
@@ -277,6 +282,22 @@ def test_the_throughput_benchmark_runs_on_the_gpu(tmp_path):
     # A failed measurement is recorded as {"error": ...} and the benchmark still exits 0.
     assert result["measurements"] and not [m["error"] for m in result["measurements"] if "error" in m]
     assert all(m["device"].startswith("cuda") for m in result["measurements"])
+
+
+def test_the_collective_recorder_on_nccl(tmp_path):
+    """--trace-collectives under torchrun with NCCL (one process: NCCL refuses two ranks on one
+    GPU). The traced run steps eagerly, DDP's gradient all-reduces are recorded with their CUDA
+    tensors' bytes, and every recorded collective is named on its launcher line and in the tour,
+    as on gloo (tests/test_collective_trace.py)."""
+    result = ok(train("launch", tmp_path, "--epochs", "1", *ON_GPU, "--trace-collectives", nproc=1))
+    print(result.stdout[-3000:])
+    assert "backend=nccl" in result.stdout
+    assert "training step: a CUDA graph" not in result.stdout  # traced: eager, its collectives seen
+    rows = read_list(tmp_path / "collectives" / "rank0.tsv")
+    ddp = [r for r in rows if r["via"].endswith("torch:_allreduce_fut")]
+    assert ddp and all(int(r["bytes"]) > 0 for r in ddp), rows
+    problems, _ = contradictions({"nccl": rows})
+    assert not problems, "\n".join(problems)
 
 
 def test_check_runs_its_nccl_stages_on_the_gpu(tmp_path):
