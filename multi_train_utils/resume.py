@@ -26,6 +26,7 @@ def restore_training(checkpoint: dict[str, Any] | None, optimizer: torch.optim.O
     progress, skip = Progress(), 0
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
+        lay_out_momentum_as_parameters(optimizer)
         scaler.load_state_dict(checkpoint["scaler"])
         if ema is not None:  # a run that turns --ema on when it resumes starts the average from the weights
             ema.module.load_state_dict(checkpoint.get("ema", checkpoint["model"]))
@@ -56,3 +57,17 @@ def restore_training(checkpoint: dict[str, Any] | None, optimizer: torch.optim.O
     if skip:
         train_loader.sampler.skip_next_pass(skip)
     return progress
+
+
+def lay_out_momentum_as_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Each momentum buffer in its parameter's memory layout. A checkpoint holds the buffers as
+    they were written: NCHW from a GPU run's epochs (their pinned host copies are contiguous)
+    or from a run with the other --channels-last, channels_last otherwise, and loading keeps
+    that. The fused step reads a parameter, its gradient and its buffer as one flat array each:
+    CUDA's refuses buffers laid out otherwise, the CPU's silently mixes up their elements."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            buffer = state.get("momentum_buffer")
+            if buffer is not None and buffer.stride() != param.stride():
+                state["momentum_buffer"] = torch.empty_like(param).copy_(buffer)  # the same values, re-laid

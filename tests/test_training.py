@@ -1,6 +1,7 @@
 """The training core in one process: weights, freezing, precision, the schedule, and whether it learns."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -10,10 +11,11 @@ from conftest import FAST, SAMPLE, args_for, call_main, metrics, sample_batch
 
 import train_single_gpu
 from model import create_model, freeze_backbone
-from multi_train_utils.checkpoint import load_weights
+from multi_train_utils.checkpoint import load_weights, make_checkpoint
 from multi_train_utils.config import get_args_parser
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.progress import Progress
+from multi_train_utils.resume import restore_training
 from multi_train_utils.train_eval_utils import autocast_dtype, build_optimizer, place_model, train_one_epoch
 from recipe.schedule import build_schedule
 
@@ -172,6 +174,32 @@ def test_it_learns():
     losses = [train_one_epoch(model, criterion, optimizer, scaler, [batch], 1, Progress(), args,
                               DistContext.single())["train_loss"] for _ in range(10)]
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_a_resumed_step_is_the_same_step_whatever_layout_the_checkpoint_holds():
+    """A GPU run's epoch checkpoint holds the momentum buffers in NCHW (pinned host copies are
+    contiguous) while its model trains in channels_last, as does a run resumed with the other
+    --channels-last. Resumed from it, the next step must be the step the run would have made."""
+    args = args_for("--epochs", "2", "--amp", "off")
+    torch.manual_seed(0)
+    model = create_model(5)
+    place_model(model, args, CPU)  # channels_last
+    optimizer, scaler, _ = build_optimizer(model, args, CPU)
+    batch, ctx = sample_batch(8, 64), DistContext.single()
+    criterion = torch.nn.CrossEntropyLoss()
+    train_one_epoch(model, criterion, optimizer, scaler, [batch], 1, Progress(), args, ctx)
+    # A copy, as a file holds it: the state dict shares the live buffers.
+    checkpoint = copy.deepcopy(make_checkpoint(model, optimizer, scaler, Progress(epoch=1), args, ["a"] * 5, 1))
+    checkpoint["loaded_from"] = "a GPU run's last.pth"
+    for state in checkpoint["optimizer"]["state"].values():  # as a GPU run's epoch checkpoint holds them
+        state["momentum_buffer"] = state["momentum_buffer"].contiguous()
+    resumed = copy.deepcopy(model)
+    resumed_optimizer, resumed_scaler, _ = build_optimizer(resumed, args, CPU)
+    restore_training(checkpoint, resumed_optimizer, resumed_scaler, None, [batch], False, args, ctx)
+    for m, o, s in ((model, optimizer, scaler), (resumed, resumed_optimizer, resumed_scaler)):
+        train_one_epoch(m, criterion, o, s, [batch], 2, Progress(epoch=1), args, ctx)
+    for (name, went_on), back in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(went_on, back), f"{name}: the resumed step differs"
 
 
 def test_eval_only_with_weights(tmp_path, capsys):
