@@ -306,6 +306,9 @@ def check_options(args: argparse.Namespace, launcher: str) -> None:
     if args.trace_collectives and launcher == "single":
         raise UserError("--trace-collectives records where processes meet: one process meets no one "
                         "(use train_multi_gpu_using_launch.py or train_multi_gpu_using_spawn.py)")
+    if args.trace_collectives and args.check:
+        raise UserError("--trace-collectives records a training run's collectives; --check trains none (its own "
+                        "job's are listed in docs/how-it-works.md, \"Where the ranks meet\")")
     if (args.drop_missing or args.data_moved) and not args.resume:
         raise UserError("--drop-missing and --data-moved are about a resumed run's files: they need --resume")
     if args.resume == "auto" and args.output_dir is None:

@@ -131,6 +131,12 @@ def test_the_one_process_launcher_refuses_it_and_says_why():
     assert result.returncode != 0 and "one process meets no one" in result.stderr
 
 
+def test_check_refuses_it_rather_than_record_nothing():
+    result = run_cli([sys.executable, "train_multi_gpu_using_launch.py", "--data-path", "data/flower_photos_sample",
+                      "--check", "--trace-collectives"], timeout=60)
+    assert result.returncode == 2 and "--check trains none" in result.stderr
+
+
 def count(rows: list[dict], line_call: str, via: str, calls: dict[int, str]) -> int:
     return sum(1 for r in rows if calls.get(int(r["line"])) == line_call and via in r["via"])
 
