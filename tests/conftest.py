@@ -52,8 +52,9 @@ SMALL_MODEL = ["--model", "resnet18"]
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: starts real training processes (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "gpu: runs on CUDA (tests/test_gpu.py); every other test's processes see no GPU")
-    config.addinivalue_line("markers", "floor: the launchers' end-to-end runs, which .ci/run repeats on the oldest torch "
-                                       "that requirements.txt allows (requirements-floor.txt)")
+    config.addinivalue_line("markers", "floor: the launchers' end-to-end runs and the collective recorder's, which "
+                                       ".ci/run repeats on the oldest torch that requirements.txt allows "
+                                       "(requirements-floor.txt)")
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         # A shell starts a background job (`cmd &`, nohup) with Ctrl-C ignored, and every process
         # it starts inherits that: the tests that press Ctrl-C on a job would wait in vain.
