@@ -60,11 +60,12 @@ def restore_training(checkpoint: dict[str, Any] | None, optimizer: torch.optim.O
 
 
 def lay_out_momentum_as_parameters(optimizer: torch.optim.Optimizer) -> None:
-    """Each momentum buffer in its parameter's memory layout. A checkpoint holds the buffers as
-    they were written: NCHW from a GPU run's epochs (their pinned host copies are contiguous)
-    or from a run with the other --channels-last, channels_last otherwise, and loading keeps
-    that. The fused step reads a parameter, its gradient and its buffer as one flat array each:
-    CUDA's refuses buffers laid out otherwise, the CPU's silently mixes up their elements."""
+    """Each momentum buffer in its parameter's memory layout. A checkpoint holds each buffer in
+    the layout of the run that saved it, except a GPU run's epoch checkpoints, whose pinned host
+    copies are NCHW; loading keeps the file's layout, which differs from this run's parameters
+    after a GPU's epoch or under the other --channels-last. The fused step reads a parameter,
+    its gradient and its buffer as one flat array each: CUDA's refuses buffers laid out
+    otherwise, the CPU's silently mixes up their elements."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state.get(param, {})

@@ -176,30 +176,37 @@ def test_it_learns():
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-def test_a_resumed_step_is_the_same_step_whatever_layout_the_checkpoint_holds():
+@pytest.mark.parametrize("option", ["--channels-last", "--no-channels-last"])
+def test_a_resumed_step_is_the_same_step_whatever_layout_the_checkpoint_holds(option):
     """A GPU run's epoch checkpoint holds the momentum buffers in NCHW (pinned host copies are
-    contiguous) while its model trains in channels_last, as does a run resumed with the other
-    --channels-last. Resumed from it, the next step must be the step the run would have made."""
-    args = args_for("--epochs", "2", "--amp", "off")
+    contiguous) while its model trains in channels_last; a channels_last run resumed with
+    --no-channels-last meets the other mismatch. The step resumed from buffers in the other
+    layout must be the step resumed from buffers in the run's own."""
+    args = args_for("--epochs", "2", "--amp", "off", option)
     torch.manual_seed(0)
     model = create_model(5)
-    place_model(model, args, CPU)  # channels_last
+    place_model(model, args, CPU)
     optimizer, scaler, _ = build_optimizer(model, args, CPU)
     batch, ctx = sample_batch(8, 64), DistContext.single()
     criterion = torch.nn.CrossEntropyLoss()
     train_one_epoch(model, criterion, optimizer, scaler, [batch], 1, Progress(), args, ctx)
     # A copy, as a file holds it: the state dict shares the live buffers.
-    checkpoint = copy.deepcopy(make_checkpoint(model, optimizer, scaler, Progress(epoch=1), args, ["a"] * 5, 1))
-    checkpoint["loaded_from"] = "a GPU run's last.pth"
-    for state in checkpoint["optimizer"]["state"].values():  # as a GPU run's epoch checkpoint holds them
-        state["momentum_buffer"] = state["momentum_buffer"].contiguous()
-    resumed = copy.deepcopy(model)
-    resumed_optimizer, resumed_scaler, _ = build_optimizer(resumed, args, CPU)
-    restore_training(checkpoint, resumed_optimizer, resumed_scaler, None, [batch], False, args, ctx)
-    for m, o, s in ((model, optimizer, scaler), (resumed, resumed_optimizer, resumed_scaler)):
-        train_one_epoch(m, criterion, o, s, [batch], 2, Progress(epoch=1), args, ctx)
-    for (name, went_on), back in zip(model.named_parameters(), resumed.parameters()):
-        assert torch.equal(went_on, back), f"{name}: the resumed step differs"
+    own = copy.deepcopy(make_checkpoint(model, optimizer, scaler, Progress(epoch=1), args, ["a"] * 5, 1))
+    own["loaded_from"] = "last.pth"
+    other = copy.deepcopy(own)
+    layout = torch.contiguous_format if args.channels_last else torch.channels_last
+    for state in other["optimizer"]["state"].values():
+        if state["momentum_buffer"].dim() == 4:
+            state["momentum_buffer"] = state["momentum_buffer"].contiguous(memory_format=layout)
+    stepped = []
+    for checkpoint in (own, other):
+        resumed = copy.deepcopy(model)
+        resumed_optimizer, resumed_scaler, _ = build_optimizer(resumed, args, CPU)
+        restore_training(checkpoint, resumed_optimizer, resumed_scaler, None, [batch], False, args, ctx)
+        train_one_epoch(resumed, criterion, resumed_optimizer, resumed_scaler, [batch], 2, Progress(epoch=1), args, ctx)
+        stepped.append(list(resumed.parameters()))
+    for (name, _), a, b in zip(model.named_parameters(), *stepped, strict=True):
+        assert torch.equal(a, b), f"{name}: the step resumed from the other layout differs"
 
 
 def test_eval_only_with_weights(tmp_path, capsys):
