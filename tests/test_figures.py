@@ -1,14 +1,18 @@
 """Every measured figure in the README and docs/options.md names the machine it was measured on
 and what measured it; --help states none (it sends the reader to those pages).
 
-A figure is a number with a unit that only a measurement gives: img/s, seconds or minutes
-("32.0 s"), a percentage, a ratio ("3.71x"), a size in MB/GB/MiB/GiB, TFLOP/s. Output shown in
-a code block is what a command printed, not a claim. A figure's paragraph, or the paragraph or
-table just before or after it in its section, must name
-- the machine: an H100, H200, A100, TITAN, EPYC, Xeon, Zen 3 or 4, Emerald Rapids; and
+A figure is a number with a unit that only a measurement gives: img/s, seconds, minutes or hours
+("32.0 s"), a percentage, a ratio ("3.71x", "3.7 times"), a size (kB to TB, KiB to GiB), a rate
+in GB/s or FLOP/s; in a table of the README, also every number with a decimal point or a
+thousands separator (a cell whose unit is in its row's label). Output shown in a code block is
+what a command printed, not a claim. A figure's paragraph or table, or the one that introduces
+it (just before it in its section), must name
+- the machine: an H100, H200, A100, EPYC, Xeon, Zen 3 or 4, Emerald Rapids (a figure quoted from
+  elsewhere, the original blog's TITAN Xp, is not one of ours); and
 - what measured it: a command in backticks (`python ...`, `bash ...`, `torchrun ...`,
-  `sbatch ...`, `--check`), a ```bash block, or a link to a page or a result file that holds
-  the command (docs/*.md, docs/benchmark/*.json, a section of the same page).
+  `sbatch ...`, `du ...`, `--check`), a ```bash block, or a link to the pages that hold the
+  commands (docs/performance.md, docs/recipe.md, a result file in docs/benchmark/, the
+  README's own Performance section).
 In docs/options.md each row of the table stands alone: a row's figure names both in the row.
 """
 from __future__ import annotations
@@ -20,11 +24,13 @@ import sys
 import pytest
 from conftest import REPO
 
-FIGURE = re.compile(r"(?<![\w.-])\d[\d,]*(?:\.\d+)?(?:\s(?:s|ms|minutes)|\s?(?:img/s|%|x|MiB|GiB|MB|GB|TFLOP/s))"
-                    r"(?![\w/])")
-MACHINE = re.compile(r"H100|H200|A100|TITAN|EPYC|Xeon|Zen ?\d|Emerald Rapids")
-MEASURED_BY = re.compile(r"\]\((?:\.\./|docs/)?[\w/.-]*\.(?:md|json)(?:#[\w-]+)?\)|\]\(#[\w-]+\)"
-                         r"|`(?:python|bash|torchrun|sbatch) [^`]*`|`--check|^```bash", re.M)
+UNIT = (r"\s(?:s|ms|seconds|minutes|min|hours|h|times)|\s?(?:img/s|%|x|×|kB|KiB|MB|MiB|GB|GiB|TB|GB/s"
+        r"|[TG]FLOP/s)")
+FIGURE = re.compile(rf"(?<![\w.-])\d[\d,]*(?:\.\d+)?(?:{UNIT})(?![\w/])")
+TABLE_NUMBER = re.compile(r"(?<![\w.-])(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+)(?![\w.])")
+MACHINE = re.compile(r"H100|H200|A100|EPYC|Xeon|Zen ?\d|Emerald Rapids")
+MEASURED_BY = re.compile(r"\]\((?:docs/)?(?:performance|recipe)\.md(?:#[\w-]+)?\)|\]\((?:docs/)?benchmark/[^)\s]+\)"
+                         r"|\]\(#performance\)|`(?:python|bash|torchrun|sbatch|du) [^`]*`|`--check|^```bash", re.M)
 
 
 def blocks(text: str, rows_alone: bool = False) -> list[tuple[str, str]]:
@@ -67,10 +73,12 @@ def figures_without_origin(text: str, rows_alone: bool = False) -> list[str]:
     problems = []
     for i, (section, block) in enumerate(found):
         figures = FIGURE.findall(block)
+        if block.startswith("|") and not rows_alone and (figures or re.search(r"^\|[^|]*(img/s|accuracy)", block, re.M)):
+            figures += TABLE_NUMBER.findall(block)
         if block.startswith("```") or not figures:
             continue
-        reach = 0 if rows_alone else 1
-        near = "\n".join(b for k, (s, b) in enumerate(found) if s == section and abs(k - i) <= reach)
+        introduced = i > 0 and found[i - 1][0] == section and not rows_alone
+        near = "\n".join(b for _, b in found[i - 1 if introduced else i:i + 1])
         lacks = [what for what, pattern in (("the machine", MACHINE), ("what measured it", MEASURED_BY))
                  if not pattern.search(near)]
         if lacks:
@@ -96,8 +104,18 @@ def test_a_figure_without_its_machine_or_its_command_is_caught():
     assert len(figures_without_origin("On an H200 it took 32.0 s.")) == 1
     assert len(figures_without_origin("It took 32.0 s ([performance](docs/performance.md)).")) == 1
     assert not figures_without_origin("On an H200 it took 32.0 s ([performance](docs/performance.md)).")
-    assert not figures_without_origin("On an H200:\n\n| a | b |\n|---|---|\n| 32.0 s | 3.7x |\n\n"
-                                      "`python -m benchmarks endtoend` measured it.")
+    assert not figures_without_origin("`python -m benchmarks endtoend` on an H200:\n\n| a | b |\n|---|---|\n"
+                                      "| 32.0 s | 3.7x |")
+    # Only the paragraph that introduces a table speaks for it, not whatever follows it.
+    assert figures_without_origin("On an H200:\n\n| a | b |\n|---|---|\n| 32.0 s | 3.7x |\n\n"
+                                  "`python -m benchmarks endtoend` measured it.")
+    assert figures_without_origin("On an H200 ([p](docs/performance.md)):\n\nSomething else.\n\n"
+                                  "It took 32.0 s.")  # two paragraphs up is out of reach
+    # A comparison with a figure quoted from elsewhere, or a link to any page, names neither.
+    assert figures_without_origin("The blog took 141.5 s on a TITAN Xp ([see](docs/options.md)).")
+    # In a table of measurements, a cell's unit may sit in its row's label.
+    assert figures_without_origin("| | ours |\n|---|---|\n| training img/s | 8,586 |") == [
+        "8,586 in '| | ours |\\n|---|---|\\n| training img/s | 8,586 |'... names not the machine nor what measured it"]
     assert figures_without_origin("| `--x` | 32.0 s on an H200 |\n| `--y` | [p](p.md) |", rows_alone=True)
     assert not figures_without_origin("```output\n19.5 img/s, 20.5s\n```")  # printed, not claimed
     assert not figures_without_origin("(600s, 10m, 1.5h): a duration given, not measured")
