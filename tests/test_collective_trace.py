@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import FAST, FAST_DEFAULT_WORKERS, REPO, SMALL_MODEL, ok, run_cli, train
 
-from test_meeting_points import TOUR, comment_of, leading_to_collectives, meeting_lines
+from test_meeting_points import TOUR, comment_of, leading_to_collectives, meeting_lines, tour_table
 
 LAUNCHER = REPO / "train_multi_gpu_using_launch.py"
 # The words a comment or the tour uses for each kind.
@@ -59,13 +59,7 @@ def recorded(tmp_path_factory) -> dict[str, tuple[list[dict], list[dict], str]]:
 
 def table() -> dict[str, str]:
     """The tour's "Where the ranks meet": each row's call and its collectives column."""
-    section = re.search(r"^## Where the ranks meet.*?(?=^## )", TOUR.read_text(), flags=re.M | re.S)[0]
-    rows = {}
-    for line in section.splitlines():
-        if line.startswith("| `"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            rows[re.match(r"`([\w.]+)\(", cells[0])[1].rpartition(".")[2]] = cells[1]
-    return rows
+    return dict(tour_table(TOUR.read_text()))
 
 
 def calls_by_line() -> dict[int, str]:

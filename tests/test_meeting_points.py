@@ -112,12 +112,19 @@ def comment_of(lines: list[str], lineno: int) -> str:
     return text
 
 
-def tour_rows(text: str) -> list[str]:
-    """The calls the tour's "Where the ranks meet" table lists, in order (its first column)."""
+def tour_table(text: str) -> list[tuple[str, str]]:
+    """The tour's "Where the ranks meet" table, in order: each row's call (its first column)
+    and the collectives it names (its second)."""
     section = re.search(r"^## Where the ranks meet.*?(?=^## )", text, flags=re.M | re.S)
     assert section, "the tour has a section \"Where the ranks meet\""
-    rows = [line for line in section[0].splitlines() if line.startswith("| `")]
-    return [re.match(r"\| `([\w.]+)\(", row)[1].rpartition(".")[2] for row in rows]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in section[0].splitlines()
+             if line.startswith("| `")]
+    return [(re.match(r"`([\w.]+)\(", row[0])[1].rpartition(".")[2], row[1]) for row in cells]
+
+
+def tour_rows(text: str) -> list[str]:
+    """The calls the tour's "Where the ranks meet" table lists, in order."""
+    return [call for call, _ in tour_table(text)]
 
 
 @pytest.fixture(scope="module")
