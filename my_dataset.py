@@ -18,7 +18,7 @@ from torchvision.io import ImageReadMode, decode_jpeg, read_file
 from torchvision.transforms import RandomResizedCrop, v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
-from utils import Sample, cpu_count, load_rgb
+from utils import Sample, cores_per_process, load_rgb
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -185,7 +185,7 @@ class ImageFiles(Dataset):
 
 def default_workers(device: torch.device, processes_per_machine: int = 1) -> int:
     """Loader workers per training process: its share of the cores, less one for the loop itself."""
-    spare = cpu_count() // processes_per_machine - 1
+    spare = cores_per_process(processes_per_machine) - 1
     if device.type == "cuda":
         # One core decodes and augments about 900 images/s (docs/performance.md); a GPU trains
         # thousands a second. So the loader gets every spare core.

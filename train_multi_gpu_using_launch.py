@@ -18,13 +18,19 @@ waiting in it. The comment of each line below that makes one, or leads to one, s
 Rank 0 alone prints and writes. docs/how-it-works.md says why each call is where it is.
 """
 import signal
+
+from cluster.sigterm import Preemption
+
+# SIGTERM, however it comes (SLURM's time limit, scancel, torchrun passing it on): before training
+# this process exits 75, for the scheduler to requeue the job; during training every rank stops
+# after the same step and rank 0 saves the position. Set first: loading torch takes seconds.
+preemption = Preemption()
+signal.signal(signal.SIGTERM, preemption.on_sigterm)
+
+import datetime
 import sys
 import time
 from contextlib import nullcontext
-
-# Loading torch and the rest takes seconds: a SIGTERM meanwhile (a job preempted as it starts)
-# ends this process with 75, as one anywhere outside training does, for the scheduler to requeue it.
-signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(75))
 
 import torch
 import torch.distributed as dist
@@ -36,15 +42,14 @@ from torch.utils.data import DistributedSampler
 # The data-parallel core: the lesson, with this file (docs/how-it-works.md walks through it).
 from model import cpu_sync_batchnorm
 from multi_train_utils.config import check_and_list_images, read_command_line
-from multi_train_utils.distributed_utils import init_distributed
+from multi_train_utils.distributed_utils import backend_for, job_store, process_context
 from multi_train_utils.loaders import build_datasets
 from multi_train_utils.resume import restore_training
 from multi_train_utils.train_eval_utils import (build_model, build_optimizer, evaluate_epoch,
                                                take_rank0_batchnorm_statistics, train_one_epoch)
 # The machinery around it: what a cluster does to a run, and what rank 0 writes.
 from cluster.check import check
-from cluster.faults import handling_sigterm_and_faults
-from cluster.preemption import exit_75_on_sigterm
+from cluster.preemption import save_position_and_exit
 from outputs import collective_trace
 from outputs.report import evaluate_only, report_on_best
 from outputs.run_folder import RunFiles, create_run_folder, read_resume_checkpoint
@@ -54,18 +59,24 @@ from utils import exit_on_error
 @record  # torchrun's failure summary then shows each failed process's own error
 def main() -> None:
     with exit_on_error():
-        exit_75_on_sigterm()  # a SIGTERM before training: exit 75 (requeue me); during it: a stop at a step
         args = read_command_line("launch", __doc__)
         # Before any collective, so that a mistake is one clear error: the options checked, the images
         # downloaded (--download) and listed, torchrun's (or srun's) ranks read.
         plan = check_and_list_images(args, "launch")
         if args.check:  # diagnose instead of training
-            sys.exit(check(plan, plan.rendezvous))  # its own group; all_gather, broadcast, all_reduce
+            sys.exit(check(plan, plan.ranks))  # its own group; all_gather, broadcast, all_reduce
         if args.trace_collectives:  # every collective from here on recorded, with the line below that led to it
             collective_trace.start(__file__)
-        # dist.init_process_group: NCCL on GPUs, gloo on the CPU, each process on its local rank's GPU
-        # (none without torchrun or srun: one process); then a broadcast of the job's name in the store.
-        ctx = init_distributed(plan.rendezvous, args.device, args.backend, args.dist_timeout)
+        ctx = process_context(plan.ranks, args.device)  # on GPUs, its local rank's; its share of the CPU cores
+        if ctx.distributed:
+            # NCCL on GPUs, gloo on the CPU. A peer that is missing, dead or stuck becomes an error
+            # after --dist-timeout; job_store: where the processes meet (torchrun's agent's store).
+            dist.init_process_group(backend_for(ctx, args.backend), store=job_store(plan.ranks, args.dist_timeout),
+                                    rank=ctx.rank, world_size=ctx.world_size,
+                                    timeout=datetime.timedelta(seconds=args.dist_timeout),
+                                    device_id=ctx.device if ctx.device.type == "cuda" else None)
+            ctx.print0(f"process group: backend={dist.get_backend()}, world_size={ctx.world_size}, "
+                       f"threads per process={torch.get_num_threads()}")
         try:
             train(plan, ctx)
         finally:
@@ -81,8 +92,8 @@ def train(plan, ctx) -> None:
     output_dir = create_run_folder(plan, ctx)  # broadcast: rank 0 creates it (and prints the configuration)
     # --resume's checkpoint, read by every rank (a broadcast under --resume auto: whether rank 0 found last.pth).
     checkpoint = read_resume_checkpoint(args, output_dir, ctx)
-    # SIGTERM a request, a lost peer named; --trace-collectives: each rank's list kept, however the run ends.
-    with collective_trace.kept(output_dir, ctx), handling_sigterm_and_faults(output_dir, ctx) as sigterm:
+    # --trace-collectives: each rank's list kept, however the run ends.
+    with collective_trace.kept(output_dir, ctx):
         # all_gather: the unreadable files each rank found, so all split alike (resuming: two broadcasts,
         # whether rank 0 sees the run's split.json, then its verdict and the split). --cache: a broadcast, an all_gather and
         # 3 barriers; --device-augment: an all_gather and 2 all_reduces.
@@ -126,6 +137,7 @@ def train(plan, ctx) -> None:
                          ctx, began) if ctx.is_main else None
         # Rank 0's files: config.json and the split written as it is entered, each epoch's beside the training.
         with files or nullcontext():
+            preemption.training = True  # from here, a SIGTERM stops every rank after the same step
             for epoch in range(progress.epoch + 1, progress.last_epoch + 1):
                 if args.time_budget:
                     # broadcast, once epoch 1 has run: rank 0's count of the epochs that fit (the crops follow it).
@@ -140,9 +152,9 @@ def train(plan, ctx) -> None:
                 # all_reduce on GPUs. broadcast: DDP's of rank 0's buffers in the forward of each step's first
                 # batch. On a GPU the step is a CUDA graph, replayed after a few eager steps (--cuda-graph off).
                 train_stats = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress,
-                                              args, ctx, ema, sigterm)
+                                              args, ctx, ema, preemption.requested)
                 if train_stats["stopped_after"]:  # SIGTERM: every rank stopped after the same step
-                    sigterm.save_position_and_exit(files, epoch, progress, train_stats)  # barrier, then exit 75
+                    save_position_and_exit(files, epoch, progress, train_stats, output_dir, ctx)  # barrier, exit 75
                 # broadcast: rank 0's BatchNorm statistics into every rank's model (and --ema's average).
                 take_rank0_batchnorm_statistics(model_without_ddp, ema, ctx)
                 # all_reduce: exact, every image once (after a broadcast of --bn-recalibrate's statistics).

@@ -16,13 +16,21 @@ one, says which. Rank 0 alone prints and writes. docs/how-it-works.md says why e
 where it is.
 """
 import signal
+
+from cluster.sigterm import Preemption
+
+# SIGTERM, in each process mp.spawn starts (which runs this file from the top too): before
+# training it exits 75, for the scheduler to requeue the job; during training every rank stops
+# after the same step and rank 0 saves the position. Set first: loading torch takes seconds.
+preemption = Preemption()
+signal.signal(signal.SIGTERM, preemption.on_sigterm)
+
+import datetime
+import os
 import sys
+import threading
 import time
 from contextlib import nullcontext
-
-# Loading torch and the rest takes seconds: a SIGTERM meanwhile (a job preempted as it starts)
-# ends this process with 75, as one anywhere outside training does, for the scheduler to requeue it.
-signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(75))
 
 import torch
 import torch.distributed as dist
@@ -34,19 +42,19 @@ from torch.utils.data import DistributedSampler
 # The data-parallel core: the lesson, with this file (docs/how-it-works.md walks through it).
 from model import cpu_sync_batchnorm
 from multi_train_utils.config import check_and_list_images, read_command_line
-from multi_train_utils.distributed_utils import init_distributed, join_processes, passing_sigterm_on
+from multi_train_utils.distributed_utils import (Ranks, backend_for, job_store, join_processes, meeting_point,
+                                                 process_context)
 from multi_train_utils.loaders import build_datasets
 from multi_train_utils.resume import restore_training
 from multi_train_utils.train_eval_utils import (build_model, build_optimizer, evaluate_epoch,
                                                take_rank0_batchnorm_statistics, train_one_epoch)
 # The machinery around it: what a cluster does to a run, and what rank 0 writes.
 from cluster.check import check
-from cluster.faults import handling_sigterm_and_faults
-from cluster.preemption import exit_75_on_sigterm
+from cluster.preemption import save_position_and_exit
 from outputs import collective_trace
 from outputs.report import evaluate_only, report_on_best
 from outputs.run_folder import RunFiles, create_run_folder, read_resume_checkpoint
-from processes.rendezvous import Rendezvous, host_store
+from processes.helper_signals import sigterm_ignored_in_new_programs
 from utils import exit_on_error
 
 
@@ -56,35 +64,42 @@ def main() -> None:
         # Before any process starts: the options checked, the images downloaded (--download) and listed,
         # the processes counted.
         plan = check_and_list_images(args, "spawn")
-        # The processes meet at a store this launcher hosts: at --dist-url or MASTER_ADDR:MASTER_PORT,
-        # else at a free port on 127.0.0.1, and then gloo too stays on loopback (GLOO_SOCKET_IFNAME set).
-        store = host_store(args)
-    with passing_sigterm_on() as started:  # a SIGTERM to the launcher alone reaches its processes
-        context = mp.spawn(worker, args=(plan, (store.host, store.port)), nprocs=plan.world_size, join=False)
-        started(context.processes)
-        code = join_processes(context)  # the first failure ends the job; Ctrl-C ends them all
-    sys.exit(code)
+        # Where the processes meet, exported for them: --dist-url or MASTER_ADDR:MASTER_PORT, else a free
+        # port on 127.0.0.1 (gloo then stays on loopback: GLOO_SOCKET_IFNAME).
+        meeting_point(args)
+    # A SIGTERM to this launcher alone (a scheduler that signals the main process) is passed on to the
+    # processes, each second until they end (join_processes): each ignores it until its own handler is set.
+    sigterm_came = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sigterm_came.set())
+    with sigterm_ignored_in_new_programs():
+        context = mp.spawn(worker, args=(plan,), nprocs=plan.world_size, join=False)
+    sys.exit(join_processes(context, sigterm_came))  # the first failure ends the job; Ctrl-C ends them all
 
 
-def worker(rank: int, plan, store_address: tuple[str, int]) -> None:
+def worker(rank: int, plan) -> None:
     """One process of the job, started by mp.spawn with its rank (all on this machine: the
     local rank is the rank)."""
     args = plan.args
     with exit_on_error(rank):
-        exit_75_on_sigterm()  # a SIGTERM before training: exit 75 (requeue me); during it: a stop at a step
-        rdzv = Rendezvous(rank, rank, plan.world_size, plan.world_size, store_address)
+        ranks = Ranks(rank, rank, plan.world_size, plan.world_size)
         if args.check:  # diagnose instead of training
-            sys.exit(check(plan, rdzv))  # its own group; all_gather, broadcast, all_reduce
+            sys.exit(check(plan, ranks))  # its own group; all_gather, broadcast, all_reduce
         if args.trace_collectives:  # every collective from here on recorded, with the line below that led to it
             collective_trace.start(__file__)
-        # dist.init_process_group at the launcher's store: NCCL on GPUs, gloo on the CPU, each process on its GPU;
-        # then a broadcast of the job's name in the store.
-        ctx = init_distributed(rdzv, args.device, args.backend, args.dist_timeout)
+        ctx = process_context(ranks, args.device)  # on GPUs, its rank's; its share of the CPU cores
+        # NCCL on GPUs, gloo on the CPU. A peer that is missing, dead or stuck becomes an error after
+        # --dist-timeout; job_store: rank 0 hosts the store where the processes meet.
+        dist.init_process_group(backend_for(ctx, args.backend), store=job_store(ranks, args.dist_timeout),
+                                rank=rank, world_size=plan.world_size,
+                                timeout=datetime.timedelta(seconds=args.dist_timeout),
+                                device_id=ctx.device if ctx.device.type == "cuda" else None)
+        ctx.print0(f"process group: backend={dist.get_backend()}, world_size={ctx.world_size}, "
+                   f"rendezvous={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}, "
+                   f"threads per process={torch.get_num_threads()}")
         try:
             train(plan, ctx)
         finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            dist.destroy_process_group()
 
 
 def train(plan, ctx) -> None:
@@ -95,8 +110,8 @@ def train(plan, ctx) -> None:
     output_dir = create_run_folder(plan, ctx)  # broadcast: rank 0 creates it (and prints the configuration)
     # --resume's checkpoint, read by every rank (a broadcast under --resume auto: whether rank 0 found last.pth).
     checkpoint = read_resume_checkpoint(args, output_dir, ctx)
-    # SIGTERM a request, a lost peer named; --trace-collectives: each rank's list kept, however the run ends.
-    with collective_trace.kept(output_dir, ctx), handling_sigterm_and_faults(output_dir, ctx) as sigterm:
+    # --trace-collectives: each rank's list kept, however the run ends.
+    with collective_trace.kept(output_dir, ctx):
         # all_gather: the unreadable files each rank found, so all split alike (resuming: two broadcasts,
         # whether rank 0 sees the run's split.json, then its verdict and the split). --cache: a broadcast, an all_gather and
         # 3 barriers; --device-augment: an all_gather and 2 all_reduces.
@@ -140,6 +155,7 @@ def train(plan, ctx) -> None:
                          ctx, began) if ctx.is_main else None
         # Rank 0's files: config.json and the split written as it is entered, each epoch's beside the training.
         with files or nullcontext():
+            preemption.training = True  # from here, a SIGTERM stops every rank after the same step
             for epoch in range(progress.epoch + 1, progress.last_epoch + 1):
                 if args.time_budget:
                     # broadcast, once epoch 1 has run: rank 0's count of the epochs that fit (the crops follow it).
@@ -154,9 +170,9 @@ def train(plan, ctx) -> None:
                 # all_reduce on GPUs. broadcast: DDP's of rank 0's buffers in the forward of each step's first
                 # batch. On a GPU the step is a CUDA graph, replayed after a few eager steps (--cuda-graph off).
                 train_stats = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress,
-                                              args, ctx, ema, sigterm)
+                                              args, ctx, ema, preemption.requested)
                 if train_stats["stopped_after"]:  # SIGTERM: every rank stopped after the same step
-                    sigterm.save_position_and_exit(files, epoch, progress, train_stats)  # barrier, then exit 75
+                    save_position_and_exit(files, epoch, progress, train_stats, output_dir, ctx)  # barrier, exit 75
                 # broadcast: rank 0's BatchNorm statistics into every rank's model (and --ema's average).
                 take_rank0_batchnorm_statistics(model_without_ddp, ema, ctx)
                 # all_reduce: exact, every image once (after a broadcast of --bn-recalibrate's statistics).

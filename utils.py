@@ -127,6 +127,16 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def cores_per_process(processes_per_machine: int) -> int:
+    """This process's share of the CPU cores. A process bound to fewer cores than the machine
+    has (srun's --cpus-per-task binding, taskset) was given its share already; otherwise the
+    processes of this machine share the cores it may use."""
+    usable = cpu_count()
+    if usable < (os.cpu_count() or usable):
+        return usable
+    return max(1, usable // processes_per_machine)
+
+
 def load_rgb(path: str, min_size: int | None = None) -> Image.Image:
     """Decode any image file into an upright 8-bit RGB picture.
 
@@ -362,12 +372,28 @@ class RecordedSplit:
 
 
 def load_recorded_split(path: Path) -> RecordedSplit:
-    obj = json.loads(Path(path).read_text())
-    return RecordedSplit(_split_of(obj), obj.get("data_path"), obj.get("stamps"))
+    try:
+        obj = json.loads(Path(path).read_text())
+        return RecordedSplit(_split_of(obj), obj.get("data_path"), obj.get("stamps"))
+    except (ValueError, KeyError, TypeError) as e:  # written by a version of this project without atomic writes
+        raise UserError(f"{path} is damaged ({type(e).__name__}: {e}): delete it, and the resumed run lists and "
+                        "splits --data-path again (the same split while no file was added or removed), or start "
+                        "the run again in a new --output-dir") from None
 
 
 def write_json(path: Path, obj: Any) -> None:
-    Path(path).write_text(json.dumps(obj, indent=2) + "\n")
+    write_text_atomic(Path(path), json.dumps(obj, indent=2) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """`path` holds either its old text or `text`, never part of it, whenever the process is
+    killed: written beside it, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -30,6 +30,8 @@ from model import cpu_sync_batchnorm, model_for
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import (
     DistContext,
+    Ranks,
+    find_free_port,
     gather_objects,
     init_distributed,
     setup_single,
@@ -39,7 +41,6 @@ from multi_train_utils.distributed_utils import (
 from multi_train_utils.loaders import loaders_of, readable_split
 from multi_train_utils.progress import Progress
 from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
-from processes.rendezvous import Rendezvous, keep_gloo_on_loopback, store_listening_on
 from utils import DataSplit, UserError, exit_on_error
 
 JOB_TIMEOUT_SECONDS = 1200  # one measurement; a hung process group must not stall the whole benchmark
@@ -180,7 +181,7 @@ def measure(job: Job, ctx: DistContext) -> dict[str, Any]:
     return out
 
 
-def _rank_main(rank: int, job: Job, store_address: tuple[str, int] | None) -> None:
+def _rank_main(rank: int, job: Job) -> None:
     """One process of a measurement (the target of mp.spawn)."""
     # A process made by mp.spawn would start its loader workers by spawning too; the seed's
     # launcher (torch.distributed.launch) and our single-process one start them as the platform does.
@@ -190,8 +191,7 @@ def _rank_main(rank: int, job: Job, store_address: tuple[str, int] | None) -> No
             if job.world_size == 1:
                 ctx = setup_single(None)
             else:
-                ctx = init_distributed(Rendezvous(rank, rank, job.world_size, job.world_size, store_address), None,
-                                       None, 600)
+                ctx = init_distributed(Ranks(rank, rank, job.world_size, job.world_size), None, None, 600)
             per_rank = gather_objects(measure(job, ctx), ctx)
             if ctx.is_main:
                 Path(job.result_path).write_text(json.dumps({"ranks": per_rank, "device": str(ctx.device),
@@ -206,16 +206,14 @@ def _run_processes(job: Job, in_process: bool) -> MemorySampler:
         sampler = MemorySampler([os.getpid()])
         sampler.start()
         try:
-            _rank_main(0, job, None)
+            _rank_main(0, job)
         finally:
             sampler.stop()
         return sampler
-    store_address = None
     if job.world_size > 1:
-        store = store_listening_on("127.0.0.1", 0, 600)
-        store_address = ("127.0.0.1", store.port)
-        keep_gloo_on_loopback("127.0.0.1")  # inherited by the spawned ranks
-    context = mp.spawn(_rank_main, args=(job, store_address), nprocs=job.world_size, join=False)
+        # A free port on loopback, and gloo kept there: inherited by the ranks.
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), GLOO_SOCKET_IFNAME="lo")
+    context = mp.spawn(_rank_main, args=(job,), nprocs=job.world_size, join=False)
     sampler = MemorySampler([p.pid for p in context.processes])
     sampler.start()
     deadline = time.monotonic() + JOB_TIMEOUT_SECONDS

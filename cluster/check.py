@@ -52,9 +52,9 @@ from model import model_for
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import (
     DistContext,
+    Ranks,
     broadcast_object,
     gather_objects,
-    lost_connection,
     init_distributed,
     parse_device,
     setup_single,
@@ -64,14 +64,8 @@ from multi_train_utils.progress import Progress
 from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
 from my_dataset import cache_short_side, default_workers
 from outputs.run_folder import prepare_output_dir
-from processes.rendezvous import (
-    Rendezvous,
-    RendezvousIncomplete,
-    port_unreachable,
-    socket_interface_problem,
-)
 from speed.image_cache import memory_available
-from utils import stderr_line
+from utils import UserError, stderr_line
 
 LOADER_PREFETCH = 2  # batches each loader worker keeps ready (DataLoader's prefetch_factor)
 T = TypeVar("T")
@@ -110,7 +104,7 @@ def bounded(stage: str, timeout_s: float, fn: Callable[[], T], device: torch.dev
 # ---- what one process finds alone, before any rendezvous
 
 
-def gather_facts(plan: Plan, rdzv: Rendezvous | None) -> Facts:
+def gather_facts(plan: Plan, rdzv: Ranks | None) -> Facts:
     args = plan.args
     device = parse_device(args.device)
     local = rdzv.local_world_size if rdzv else 1
@@ -119,7 +113,7 @@ def gather_facts(plan: Plan, rdzv: Rendezvous | None) -> Facts:
     index = device.index if device.index is not None else (rdzv.local_rank if rdzv else 0)
     gpu = str(torch.cuda.get_device_properties(index).uuid) if device.type == "cuda" and index < gpus else ""
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
-    master, port = rdzv.address() if rdzv else (os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", 0)))
+    master, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", 0))
     shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
     return Facts(
         rank=rdzv.rank if rdzv else 0,
@@ -140,7 +134,7 @@ def gather_facts(plan: Plan, rdzv: Rendezvous | None) -> Facts:
         master=master,
         port=port,
         master_resolves_to=resolve(master) if master else (),
-        hosts_store=rdzv is not None and rdzv.hosts_store(),
+        hosts_store=hosts_store(rdzv),
         port_problem=port_problem(rdzv, master, port) if master and port else None,
         socket_problem=socket_interface_problem(backend) if rdzv else None,
     )
@@ -179,16 +173,54 @@ def resolve(host: str) -> tuple[str, ...]:
         return ()
 
 
-def port_problem(rdzv: Rendezvous | None, host: str, port: int) -> str | None:
+def hosts_store(rdzv: Ranks | None) -> bool:
+    """This process listens for the others: rank 0 of a job that torchrun did not start."""
+    return rdzv is not None and rdzv.rank == 0 and "TORCHELASTIC_RUN_ID" not in os.environ
+
+
+def port_unreachable(host: str, port: int, timeout_s: float = 1.0) -> str | None:
+    """Why a TCP connection to host:port fails (refused, timed out, no such host), or None."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except socket.gaierror as e:
+        return f"the name does not resolve: {e.strerror}"
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
+def socket_interface_problem(backend: str) -> str | None:
+    """Why GLOO_SOCKET_IFNAME (gloo) or NCCL_SOCKET_IFNAME (nccl) names no network interface of
+    this machine, or None. gloo takes exact names, comma-separated; NCCL takes prefixes, exact
+    names after `=`, and exclusions after `^` (not checked)."""
+    variable = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}.get(backend)
+    value = os.environ.get(variable or "", "")
+    if not value or value.startswith("^"):
+        return None
+    present = [name for _, name in socket.if_nameindex()]
+    wanted = [name for name in value.removeprefix("=").split(",") if name]
+    if backend == "gloo":
+        absent = [name for name in wanted if name not in present]
+    else:
+        exact = value.startswith("=")
+        absent = [] if any(p == w if exact else p.startswith(w) for w in wanted for p in present) else wanted
+    if not absent:
+        return None
+    return (f"{variable}={value} names no network interface of {socket.gethostname()} (it has "
+            f"{', '.join(present)}): set it to the interface on the network the other machines reach (`ip addr` "
+            "lists them), the same name on every machine, or unset it")
+
+
+def port_problem(rdzv: Ranks | None, host: str, port: int) -> str | None:
     """Whether this process can do its part at host:port now. The store's host must be able to
     listen there. A process alone (run on a node to test the way to the first) must reach it;
     in a job, reaching it is the rendezvous stage's, which waits for the first node to start."""
     if rdzv is None:
         problem = port_unreachable(host, port)
         return f"cannot reach {host}:{port}: {problem}" if problem else None
-    if rdzv.hosts_store():
+    if hosts_store(rdzv):
         try:
-            with socket.create_server((host, port)):
+            with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
                 return None
         except OSError as e:
             return f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}"
@@ -247,7 +279,7 @@ def time_training_step(plan: Plan, device: torch.device, job: DistContext | None
 # ---- the check itself
 
 
-def check(plan: Plan, rdzv: Rendezvous | None) -> int:
+def check(plan: Plan, rdzv: Ranks | None) -> int:
     """Diagnose the setup this command line would train on; rank 0 prints the table.
     Returns the exit code, the same on every rank: 0 when a job would run, 1 when not."""
     timeout = plan.args.check_timeout
@@ -267,12 +299,10 @@ def check(plan: Plan, rdzv: Rendezvous | None) -> int:
     if transport_log := nccl_log_file(facts.backend):
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P,NET", NCCL_DEBUG_FILE=transport_log)
     try:
-        # The waiting is shown a few times within the timeout, and the missing named at its end.
-        ctx = init_distributed(rdzv, plan.args.device, plan.args.backend, timeout,
-                               report_every_s=max(1.0, timeout / 4), advice="")
-    except RendezvousIncomplete as e:
-        if e.by_rank_0:
-            ended_by_rank_0(rank, "at the rendezvous", e.word)
+        ctx = init_distributed(rdzv, plan.args.device, plan.args.backend, timeout)  # the missing named at its end
+    except (UserError, RuntimeError) as e:  # torch's DistError is a RuntimeError
+        if rank != 0 and not isinstance(e, UserError):  # rank 0 gave up, and the store went with it
+            ended_by_rank_0(rank, "at the rendezvous")
         give_up(rank, alone + local_rows(facts), Row(
             "rendezvous", FAIL, str(e), "start the missing processes; the same command with --check on each "
             "node shows what that node lacks (docs/troubleshooting.md)"))
@@ -290,7 +320,7 @@ def check(plan: Plan, rdzv: Rendezvous | None) -> int:
     except StageTimeout as e:
         give_up(rank, alone, Row("collectives", FAIL, str(e), "a peer stopped answering: see its own line"))
     except Exception as e:
-        if rank != 0 and lost_connection(e):  # rank 0 gave up, and its connections closed
+        if rank != 0 and isinstance(e, RuntimeError):  # rank 0 gave up, and its connections closed
             ended_by_rank_0(rank, "after the rendezvous")
         raise
     code = report(alone + inventory + collective + figure_rows(figures)) if ctx.is_main else 0

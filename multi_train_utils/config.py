@@ -14,9 +14,8 @@ import torch
 
 from model import DEFAULT_MODEL, check_model_name
 from multi_train_utils.checkpoint import load_checkpoint, read_state_dict
-from multi_train_utils.distributed_utils import parse_device, resolve_device
+from multi_train_utils.distributed_utils import Ranks, env_ranks, parse_device, parse_dist_url, resolve_device
 from my_dataset import AUTO_AUGMENT, CROP_SCALE
-from processes.rendezvous import Rendezvous, env_ranks, parse_dist_url
 from recipe.budget import BUDGET_MOST_EPOCHS, DEFAULT_EPOCHS, budget_seconds
 from speed.cuda_graph import blockers
 from utils import Sample, UserError, download_flower_photos, given_split, list_given_split, list_images
@@ -227,7 +226,7 @@ class Plan:
     class_names: list[str]
     samples: list[Sample]
     world_size: int = 1
-    rendezvous: Rendezvous | None = None  # torchrun's or srun's ranks (the torchrun launcher); None: no job yet
+    ranks: Ranks | None = None  # torchrun's or srun's ranks (the torchrun launcher); None: no job yet
     val_files: frozenset[str] | None = None  # a folder split already: its val/ images; None: --val-rate draws them
 
 

@@ -1,26 +1,24 @@
 """Process setup and teardown, and the few collectives the training loop needs.
 
-Distributed state is a value: `setup_*` returns a frozen `DistContext` that the rest of the
-code receives as an argument. Every reduction here is plain arithmetic when no process group
+Distributed state is a value: `process_context` returns a frozen `DistContext` that the rest of
+the code receives as an argument. Every reduction here is plain arithmetic when no process group
 exists, so the single-process path runs the same code as DDP.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import dataclasses
 import datetime
+import gc
 import inspect
 import multiprocessing
 import multiprocessing.forkserver
 import os
-import re
-import secrets
 import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+import urllib.parse
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,18 +26,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import Sampler
 
-from processes import attempt_store
 from processes.helper_signals import ForkWithSigtermBlocked, sigterm_ignored_in_new_programs
-from processes.rendezvous import (
-    CHECK_ADVICE,
-    JOIN_REPORT_SECONDS,
-    Rendezvous,
-    meeting_store,
-    socket_interface_problem,
-    store_host,
-)
-from utils import UserError, cpu_count, stderr_line
+from utils import UserError, cores_per_process, stderr_line
 
+# Seconds the processes of a job started one by one (srun, or by hand) have to reach the store
+# before rank 0 names the missing: torch would wait --dist-timeout (30 minutes) and name no one.
+# torchrun's agents wait for their peers themselves (--rdzv-conf join_timeout).
+JOIN_SECONDS = 60
 # Seconds the other processes of a job get to exit by themselves once one has failed, before
 # SIGTERM, and again before SIGKILL (mp.spawn's own default waits 30 s at each stage).
 STOP_GRACE_SECONDS = 5
@@ -50,6 +43,16 @@ GLOO_TEARDOWN_PAUSE = 0.1 if tuple(int(p) for p in torch.__version__.split(".")[
 
 
 @dataclasses.dataclass(frozen=True)
+class Ranks:
+    """Who this process is in its job, as torchrun, srun or the spawn launcher started it."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+
+@dataclasses.dataclass(frozen=True)
 class DistContext:
     rank: int
     local_rank: int
@@ -57,10 +60,6 @@ class DistContext:
     local_world_size: int
     device: torch.device
     distributed: bool  # a process group exists (also true for a torchrun job of one process)
-    # The rendezvous store, for what the ranks say to each other outside collectives, and which
-    # process hosts it ("rank 0", "the spawn launcher", "torchrun's agent on the first node").
-    store: dist.Store | None = dataclasses.field(default=None, compare=False, repr=False)
-    store_host: str = "rank 0"
 
     @classmethod
     def single(cls, device: torch.device = torch.device("cpu")) -> DistContext:
@@ -74,6 +73,30 @@ class DistContext:
     def print0(self, *args: Any, **kwargs: Any) -> None:
         if self.is_main:
             print(*args, **kwargs, flush=True)
+
+
+def env_ranks(local_rank_arg: int | None = None) -> Ranks | None:
+    """Who this process is, from torchrun's or SLURM's environment; None when neither started it.
+
+    torchrun and `torch.distributed.launch --use_env` export RANK/LOCAL_RANK/WORLD_SIZE; the
+    legacy launcher without --use_env passes --local-rank instead of LOCAL_RANK. Under `srun`
+    one task is one process, described by SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; the job
+    script exports MASTER_ADDR/MASTER_PORT (flowers.sbatch).
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world_size = int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
+        return Ranks(int(env["RANK"]), local_rank, world_size, int(env.get("LOCAL_WORLD_SIZE", world_size)))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+        if missing:
+            raise UserError(f"running under SLURM but {' and '.join(missing)} is not set: export the first "
+                            "node's address and a free port in the job script (flowers.sbatch does)")
+        world_size, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))
+        per_node = int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0] or 0) or max(1, world_size // nodes)
+        return Ranks(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), world_size, per_node)
+    return None
 
 
 def parse_device(spec: str | None) -> torch.device:
@@ -129,8 +152,7 @@ def _configure_threads(device: torch.device, local_world_size: int) -> None:
     """
     if device.type != "cpu" or ("OMP_NUM_THREADS" in os.environ and not _torchrun_set_threads(local_world_size)):
         return
-    threads = max(1, cpu_count() // local_world_size)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(cores_per_process(local_world_size))
 
 
 def _torchrun_set_threads(local_world_size: int) -> bool:
@@ -156,62 +178,120 @@ def _launcher_environ() -> dict[str, str] | None:
     return dict(e.decode(errors="replace").partition("=")[::2] for e in entries if e)
 
 
-def setup_single(device_spec: str | None) -> DistContext:
-    device = resolve_device(device_spec, 0)
+def process_context(ranks: Ranks | None, device_spec: str | None) -> DistContext:
+    """This process's place in its job before the process group forms: its device (on CUDA, its
+    local rank's GPU, made current) and its share of the CPU cores. `ranks` None: one process."""
+    job = ranks or Ranks(0, 0, 1, 1)
+    device = resolve_device(device_spec, job.local_rank, job.local_world_size, distributed=ranks is not None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    _configure_threads(device, 1)
-    return DistContext.single(device)
+    _configure_threads(device, job.local_world_size)
+    return DistContext(job.rank, job.local_rank, job.world_size, job.local_world_size, device,
+                       distributed=ranks is not None)
 
 
-def init_distributed(rdzv: Rendezvous | None, device_spec: str | None, backend: str | None = None,
-                     timeout_s: float = 1800, report_every_s: float = JOIN_REPORT_SECONDS,
-                     advice: str = CHECK_ADVICE) -> DistContext:
-    """This process's place in its job: its device (on CUDA, its local rank's GPU), its share of
-    the CPU cores, and the process group it joins with `dist.init_process_group` (NCCL on GPUs,
-    gloo on the CPU, `backend` to choose), meeting the others where `meeting_store` says.
-    `timeout_s` bounds the meeting and every collective: a missing, dead or stuck peer becomes
-    an error, not a hang. Without a job (`rdzv` None): one process, no process group."""
-    if rdzv is None:
-        return setup_single(device_spec)
-    device = resolve_device(device_spec, rdzv.local_rank, rdzv.local_world_size, distributed=True)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    if problem := socket_interface_problem(backend):  # gloo would fail deep in its C++, NCCL hang
-        raise UserError(f"rank {rdzv.rank}: {problem}")
-    _configure_threads(device, rdzv.local_world_size)
-    where, store = meeting_store(rdzv, timeout_s, report_every_s, advice)
-    if attempt_store.needed(rdzv):  # torchrun's agent's store outlives this attempt: one of its own
-        where, store = attempt_store.attempt_store(store, rdzv.rank, where, timeout_s)
-    # init_process_group sets its timeout only on a store it makes itself, and NCCL's start (rank
-    # 0's unique id) and the fault watch wait on this one: --dist-timeout, not a client's 5 s.
-    store.set_timeout(datetime.timedelta(seconds=timeout_s))
-    dist.init_process_group(
-        backend=backend,
-        rank=rdzv.rank,
-        world_size=rdzv.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        store=store,
-        # Binding the group to this rank's GPU lets NCCL connect eagerly and avoids
-        # "devices used by this process are currently unknown" warnings in barrier().
-        device_id=device if backend == "nccl" else None,
-    )
-    # The job's own keys (faults.py's) go under a name rank 0 draws now: under torchrun the store
-    # outlives this attempt, and keys of an earlier one must never be read as this one's.
-    job = DistContext(rdzv.rank, rdzv.local_rank, rdzv.world_size, rdzv.local_world_size, device, distributed=True)
-    namespace = broadcast_object(f"job-{secrets.token_hex(6)}/" if rdzv.rank == 0 else None, job)
-    host = "rank 0" if attempt_store.needed(rdzv) else store_host(rdzv)  # the attempt's store is rank 0's
-    ctx = dataclasses.replace(job, store=dist.PrefixStore(namespace, store), store_host=host)
-    ctx.print0(f"process group: backend={backend}, world_size={rdzv.world_size}, rendezvous={where}, "
-               f"threads per process={torch.get_num_threads()}")
+def backend_for(ctx: DistContext, choice: str | None) -> str:
+    """--backend, else NCCL on GPUs and gloo on the CPU."""
+    return choice or ("nccl" if ctx.device.type == "cuda" else "gloo")
+
+
+def job_store(ranks: Ranks, timeout_s: float) -> dist.Store | None:
+    """The store `dist.init_process_group` meets at, where torch's own env:// falls short; None
+    where it does not.
+
+    - Under torchrun, its agent hosts one store for every attempt of the job and clears no key
+      when it restarts the workers: an attempt must not read the last one's keys (gloo's
+      addresses: pytorch/pytorch#135712), so each attempt takes a prefix of its own.
+    - A job started one process at a time (srun, the spawn launcher, or by hand): rank 0 hosts
+      the store at MASTER_ADDR:MASTER_PORT, and names the ranks still missing after
+      JOIN_SECONDS. Each process that cannot reach the store says so after as long: torch's
+      own rendezvous would wait --dist-timeout, and name no one."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return None  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 hosts a new store each attempt
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", agent)
+    try:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError):
+        raise UserError("MASTER_ADDR and MASTER_PORT must be set to the address of rank 0's machine and a "
+                        "free port") from None
+    join = datetime.timedelta(seconds=min(JOIN_SECONDS, timeout_s))
+    try:
+        store = dist.TCPStore(host, port, ranks.world_size, is_master=ranks.rank == 0, timeout=join,
+                              wait_for_workers=False)
+    except dist.DistError as e:
+        why = str(e).strip().splitlines()[-1]
+        raise UserError(f"rank {ranks.rank} on {socket.gethostname()}: no rendezvous at {host}:{port} within "
+                        f"{join.seconds} s ({why}): is rank 0 running there, and is the port free and open?") from None
+    store.set(f"joined/{ranks.rank}", socket.gethostname())
+    if ranks.rank == 0:
+        try:
+            store.wait([f"joined/{r}" for r in range(ranks.world_size)], join)
+        except dist.DistError:
+            missing = [r for r in range(ranks.world_size) if not store.check([f"joined/{r}"])]
+            names = ", ".join(f"rank {r}" for r in missing[:8]) + (" and more" if len(missing) > 8 else "")
+            raise UserError(f"{ranks.world_size - len(missing)} of {ranks.world_size} processes joined at "
+                            f"{host}:{port} within {join.seconds} s; missing: {names}") from None
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))  # NCCL's start waits on it as long as a collective
+    return store
+
+
+def init_distributed(ranks: Ranks | None, device_spec: str | None, backend: str | None = None,
+                     timeout_s: float = 1800) -> DistContext:
+    """process_context and, in a job, `dist.init_process_group`: what the launchers write out,
+    in one call, for the benchmarks, --check and the tests."""
+    ctx = process_context(ranks, device_spec)
+    if ctx.distributed:
+        dist.init_process_group(backend_for(ctx, backend), store=job_store(ranks, timeout_s), rank=ctx.rank,
+                                world_size=ctx.world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return ctx
+
+
+def setup_single(device_spec: str | None) -> DistContext:
+    return process_context(None, device_spec)
 
 
 def teardown() -> None:
     if dist.is_available() and dist.is_initialized():
         time.sleep(GLOO_TEARDOWN_PAUSE)
         dist.destroy_process_group()
+
+
+def parse_dist_url(url: str) -> tuple[str, int] | None:
+    """`--dist-url` (the original scripts' init_method): None for env://, else (host, port)."""
+    if url == "env://":
+        return None
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or not port:
+        raise UserError(f"--dist-url {url!r} is not env:// or tcp://HOST:PORT")
+    return parts.hostname, port
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def meeting_point(args: Any) -> None:
+    """Where the spawn launcher's processes meet, exported for them to inherit: --dist-url
+    tcp://HOST:PORT, else MASTER_ADDR and MASTER_PORT, else a free port on 127.0.0.1. On
+    loopback, gloo is kept there too (GLOO_SOCKET_IFNAME): nothing listens beyond the machine."""
+    host, port = parse_dist_url(args.dist_url) or (os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                                    int(os.environ.get("MASTER_PORT", "0")))
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port or find_free_port(host)))
+    if (host.startswith("127.") or host == "::1") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+        if loopback:
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback
+            print(f"GLOO_SOCKET_IFNAME={loopback} (gloo stays on loopback)")
 
 
 def stop(processes: list, grace_seconds: float = STOP_GRACE_SECONDS) -> None:
@@ -259,48 +339,21 @@ def keep_inherited_objects() -> None:
     gc.freeze()
 
 
-def forward_signal(processes: list, signum: int) -> None:
-    """Pass a signal on to the processes this one started (those still running)."""
-    for p in processes:
-        if p.is_alive():
-            os.kill(p.pid, signum)
-
-
-@contextlib.contextmanager
-def passing_sigterm_on() -> Iterator[Callable[[list], None]]:
-    """A SIGTERM sent to this process alone (a scheduler signals the launcher) passed on to the
-    processes given to the function it yields: they then save where they are and exit (75). In
-    effect from before they start until the block ends (the launcher joins them inside it): a
-    SIGTERM that came while they were starting is passed on as they are given."""
-    processes: list = []
-    came: list[int] = []
-
-    def pass_on(*_: object) -> None:
-        came.append(signal.SIGTERM)
-        forward_signal(processes, signal.SIGTERM)
-
-    def started(new: list) -> None:
-        processes.extend(new)
-        if came:  # it came while they were starting, before they were in the list
-            forward_signal(new, signal.SIGTERM)
-
-    previous = signal.signal(signal.SIGTERM, pass_on)
-    try:
-        yield started
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def join_processes(context: Any) -> int:
+def join_processes(context: Any, sigterm_came: Any) -> int:
     """Wait for the processes of an mp.spawn `context`, and the job's exit code. Once one has
     failed, torch's ProcessContext.join gives the others STOP_GRACE_SECONDS to end, then sends
-    SIGTERM, waits as long again, then SIGKILL. Ctrl-C ends them all (130)."""
+    SIGTERM, waits as long again, then SIGKILL. Ctrl-C ends them all (130). Once
+    `sigterm_came` is set, SIGTERM is passed on to the processes at each second: one that was
+    still starting when the first came had no handler yet (it ignores SIGTERM until then)."""
     # The others' time to end by themselves once one has failed; torch 2.5's join has no grace
     # period and sends them SIGTERM at once (then SIGKILL 30 s later).
     grace = {"grace_period": STOP_GRACE_SECONDS} if "grace_period" in inspect.signature(context.join).parameters else {}
     try:
-        while not context.join(**grace):
-            pass
+        while not context.join(timeout=1, **grace):
+            if sigterm_came.is_set():
+                for p in context.processes:
+                    if p.is_alive():
+                        os.kill(p.pid, signal.SIGTERM)
     except mp.ProcessExitedException as e:
         # The process printed its own `error:` line unless a signal gave it no chance to.
         if e.signal_name:
@@ -351,16 +404,6 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     dist.all_gather_object(out, obj)
     time.sleep(GLOO_TEARDOWN_PAUSE)  # as in broadcast_object
     return out
-
-
-# How gloo, NCCL and the store say that the other end of a connection went away.
-LOST_CONNECTION = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote process exited|Connection refused|"
-                             r"network error|failed to recv|Socket Timeout|GLHF", re.IGNORECASE)
-
-
-def lost_connection(error: BaseException) -> bool:
-    """Whether `error`, from a collective or the store, says that the connection to a peer broke."""
-    return isinstance(error, RuntimeError) and bool(LOST_CONNECTION.search(str(error)))
 
 
 def raise_together(problem: str | None, ctx: DistContext) -> None:

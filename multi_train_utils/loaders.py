@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import sys
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from my_dataset import (
     size_schedule,
     train_transforms,
 )
-from processes.helper_signals import die_with_parent, leave_sigterm_to
+from processes.helper_signals import die_with_parent, ignore_sigterm
 from recipe.recalibrate import BatchNormRecalibration, recalibration
 from speed.device_augment import DeviceAugmentedLoader, device_crops
 from speed.gpu_decode import DeviceBatches, validation_on_device
@@ -47,6 +46,7 @@ from utils import (
     RecordedSplit,
     Sample,
     UserError,
+    cores_per_process,
     cpu_count,
     drop_unreadable,
     file_stamp,
@@ -84,7 +84,7 @@ class RunData:
             batch_size=args.batch_size,
             num_workers=workers,
             persistent_workers=workers > 0,
-            worker_init_fn=functools.partial(start_worker, os.getpid()),
+            worker_init_fn=start_worker,
             pin_memory=ctx.device.type == "cuda",
             # A process started by mp.spawn would also spawn its loader workers, each re-importing
             # torch (seconds) and receiving a pickled copy of the dataset; forking, Linux's default
@@ -100,7 +100,7 @@ class RunData:
         if self.crops is not None:
             if ctx.device.type == "cuda":  # the validation images decoded once, by nvJPEG, and kept on the GPU
                 val_loader = validation_on_device(self.val_set, val_loader.sampler, args.batch_size, ctx,
-                                                  max(1, cpu_count() // ctx.local_world_size))
+                                                  cores_per_process(ctx.local_world_size))
             return DeviceAugmentedLoader(train_loader, self.crops, size_schedule(vars(args))), val_loader
         return train_loader, val_loader
 
@@ -209,7 +209,7 @@ def readable_split(plan: Plan, ctx: DistContext) -> DataSplit:
     files, with the threads of its share of the machine, and the ranks swap their findings, so
     every rank ends with the same split."""
     paths = [p for p, _ in plan.samples]
-    mine = find_unreadable(paths[ctx.rank :: ctx.world_size], threads=max(1, cpu_count() // ctx.local_world_size))
+    mine = find_unreadable(paths[ctx.rank :: ctx.world_size], threads=cores_per_process(ctx.local_world_size))
     unreadable = dict(pair for part in gather_objects(mine, ctx) for pair in part)
     for path, reason in sorted(unreadable.items()):
         ctx.print0(f"warning: leaving out {path}: {reason}")
@@ -220,12 +220,12 @@ def readable_split(plan: Plan, ctx: DistContext) -> DataSplit:
     return split_samples(samples, plan.class_names, plan.args.val_rate, plan.args.seed)
 
 
-def start_worker(trainer: int, _worker_id: int) -> None:
-    """Set up a loader worker of the training process `trainer`: it ends with that process
-    (sooner than PyTorch's watchdog would notice), outlives a SIGTERM meant for the whole job,
-    and drops no traceback about a handover cut short."""
+def start_worker(_worker_id: int) -> None:
+    """Set up a loader worker: it ends with its training process (sooner than PyTorch's
+    watchdog would notice), leaves a SIGTERM sent to the whole job to that process, and drops
+    no traceback about a handover cut short."""
     die_with_parent()
-    leave_sigterm_to(trainer)  # in place of torch's handler, set before this runs
+    ignore_sigterm()
     keep_inherited_objects()
     sys.excepthook = quiet_dropped_handover(sys.excepthook)
 

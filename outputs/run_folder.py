@@ -23,14 +23,15 @@ from torch.utils.tensorboard import SummaryWriter
 
 from multi_train_utils.checkpoint import check_architecture, copy_atomic, load_checkpoint, make_checkpoint, save_atomic, snapshot
 from multi_train_utils.config import Plan
-from multi_train_utils.distributed_utils import (DistContext, broadcast_object,
+from multi_train_utils.distributed_utils import (DistContext, broadcast_object, gather_objects,
                                                  prepare_helper_start)
 from multi_train_utils.progress import Progress
 from outputs.plotter import Plotter
 from recipe.ema import WeightAverage
 from recipe.schedule import global_batch, peak_lr
 from speed.scaling import ScalingTally
-from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, DataSplit, ProjectError, UserError, save_split, write_json
+from utils import (CONFIG_FILE, METRICS_FILE, SPLIT_FILE, DataSplit, ProjectError, UserError, save_split, write_json,
+                   write_text_atomic)
 
 LAST, BEST = "last.pth", "best.pth"
 TENSORBOARD_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "train_images_per_sec")
@@ -63,6 +64,13 @@ def read_resume_checkpoint(args: argparse.Namespace, output_dir: Path, ctx: Dist
         return None
     checkpoint = load_checkpoint(path)
     check_architecture(checkpoint, args, path)
+    # all_gather: each rank read the file itself, and a lagging shared file system may show one
+    # an older last.pth: ranks at different positions would hang, or silently train apart.
+    positions = gather_objects((checkpoint["epoch"], checkpoint.get("steps_in_epoch", 0)), ctx)
+    if len(set(positions)) > 1:
+        seen = ", ".join(f"rank {r}: epoch {e} step {s}" for r, (e, s) in enumerate(positions))
+        raise UserError(f"the ranks read different checkpoints from {path} ({seen}): a shared file system that "
+                        "has not caught up? Start the job again once every node sees the same file")
     return {**checkpoint, "loaded_from": path}
 
 
@@ -220,7 +228,7 @@ def truncate_metrics_after(path: Path, completed_epochs: int) -> None:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             pass  # a line cut short by a kill mid-append
-    path.write_text("".join(line + "\n" for line in kept))
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def record_epoch(output_dir: Path, record: dict[str, Any], is_best: bool, writer: SummaryWriter) -> None:

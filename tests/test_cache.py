@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from conftest import SAMPLE, kill_group, metrics, ok, processes_with_marker, start_job, train_here, wait_for_epochs
 
 from multi_train_utils.distributed_utils import DistContext, init_distributed, teardown
-from processes.rendezvous import Rendezvous, find_free_port
+from multi_train_utils.distributed_utils import Ranks, find_free_port
 from speed import image_cache
 from speed.device_augment import check_device_room
 from speed.image_cache import SharedImageCache, check_cache_room
@@ -42,7 +42,7 @@ def test_a_cache_that_would_not_fit_is_refused():
 def _short_of_memory_on_rank_1(rank: int, port: int, out: str, check: str) -> None:
     """One rank of two, rank 1 on a "machine" with 1 KiB free; writes how the check ended."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ctx = init_distributed(Rendezvous(rank, rank, 2, 2), "cpu", "gloo", 60)
+    ctx = init_distributed(Ranks(rank, rank, 2, 2), "cpu", "gloo", 60)
     if rank == 1:
         image_cache.memory_available = lambda: 1024
     try:

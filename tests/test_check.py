@@ -37,7 +37,7 @@ from cluster.check_rows import (
     p2p_row,
     sum_row,
 )
-from processes.rendezvous import find_free_port
+from multi_train_utils.distributed_utils import find_free_port
 
 
 def as_srun_rank(rank: int, world_size: int, port: int) -> dict[str, str]:

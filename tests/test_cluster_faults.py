@@ -1,15 +1,12 @@
-"""What real clusters do that a laptop does not, at the one place the code meets each: two
-ranks that share a host name but not a PID namespace, a rank that fails alone, --check's
+"""What real clusters do that a laptop does not, at the one place the code meets each: --check's
 threads on a node of several GPUs, one GPU per task (`srun --gpus-per-task=1`), the store's
-timeout on every rank, the user's umask, SLURM's cyclic task layout. The real processes and
-schedulers are tests/test_slurm.py's, tests/test_multinode.py's and tests/test_preemption.py's."""
+timeout on every rank, the user's umask, SLURM's cyclic task layout, srun's CPU binding, and a
+SIGTERM to every process of the job. The real processes and schedulers are
+tests/test_slurm.py's, tests/test_multinode.py's and tests/test_preemption.py's."""
 from __future__ import annotations
 
 import datetime
-import functools
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -17,122 +14,15 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import REPO
 
-from cluster import check, faults
-from cluster.faults import FaultWatch, handling_sigterm_and_faults, process_id_view, started_at
+from cluster import check
 from multi_train_utils.checkpoint import save_atomic
-from multi_train_utils.distributed_utils import DistContext, init_distributed, resolve_device, prepare_helper_start
+from multi_train_utils.distributed_utils import (DistContext, Ranks, find_free_port, job_store,
+                                                 prepare_helper_start, resolve_device)
 from multi_train_utils.loaders import start_worker
-from processes.rendezvous import Rendezvous, find_free_port
 from speed.image_cache import machine_index
-from utils import Preempted, UserError
-
-
-def job_store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=10))
-
-
-def rank_of_two(rank: int, store: dist.Store) -> DistContext:
-    return DistContext(rank, rank, 2, 2, torch.device("cpu"), distributed=True, store=store)
-
-
-def view_in(*prefix: str) -> str:
-    code = "from cluster.faults import process_id_view; print(process_id_view())"
-    return subprocess.run([*prefix, sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          check=True).stdout.strip()
-
-
-def test_a_process_id_means_something_only_in_the_same_boot_and_pid_namespace():
-    ours = process_id_view()
-    assert view_in() == ours  # a child, as a neighbour rank on this machine is
-    own_namespace = ["unshare", "--pid", "--fork", "--mount-proc"]
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("a PID namespace of its own needs root and util-linux's unshare")
-    theirs = view_in(*own_namespace)
-    assert theirs != ours and theirs.split("/")[0] == ours.split("/")[0]  # the same host name, another view
-
-
-def test_a_rank_under_another_pid_namespace_is_judged_by_its_count(tmp_path, monkeypatch):
-    """Rank 1 says it is process 1 (its own namespace's init) of another view: rank 0 never
-    looks it up in its own /proc, and names it only once its count stops (SILENT_SECONDS)."""
-    monkeypatch.setattr(faults, "SILENT_SECONDS", 1.0)
-    store = job_store()
-    watch = FaultWatch(tmp_path, rank_of_two(0, store)).start()
-    try:
-        store.set("who/1", f"{process_id_view()}-elsewhere 1 -")
-        beating = threading.Event()
-
-        def beat() -> None:
-            while not beating.wait(0.2):
-                store.add("beat/1", 1)
-
-        threading.Thread(target=beat, daemon=True).start()
-        time.sleep(3 * faults.BEAT_SECONDS)  # the watch thread looks every second
-        assert not store.check(["ended"]) and watch._ended() == []  # alive: its count moves
-        beating.set()
-        assert watch._ended() == [1]  # silent for SILENT_SECONDS: ended
-    finally:
-        watch.close()
-
-
-def test_a_neighbour_is_named_only_once_its_process_is_gone_and_its_count_has_stopped(tmp_path, monkeypatch):
-    """A neighbour whose process id is gone from this machine's /proc but whose count still
-    moves is not named; once the count stops, the watch names it. And the converse: a process
-    id that lives on (the kernel gave it to a new process) hides no rank: the id's process
-    started at another time."""
-    monkeypatch.setattr(faults, "SILENT_SECONDS", 1.0)
-    monkeypatch.setattr(faults, "GRACE_SECONDS", 60.0)  # the watch would end this process: closed first
-    store = job_store()
-    store.set("who/1", f"{process_id_view()} 999999999 -")  # no such process here
-    beating = threading.Event()
-
-    def beat() -> None:
-        while not beating.wait(0.2):
-            store.add("beat/1", 1)
-
-    threading.Thread(target=beat, daemon=True).start()
-    watch = FaultWatch(tmp_path, rank_of_two(0, store)).start()
-    try:
-        time.sleep(3 * faults.BEAT_SECONDS)
-        assert not store.check(["ended"])
-        beating.set()
-        deadline = time.monotonic() + 3 * faults.FRESH_SECONDS
-        while not store.check(["ended"]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert store.get("ended").decode().startswith("rank 1 ended (found by rank 0)")
-    finally:
-        watch.close()
-
-    store = job_store()
-    # Rank 1's id now belongs to another process (this one, which started at another time).
-    store.set("who/1", f"{process_id_view()} {os.getpid()} 1")
-    store.add("beat/1", 1)
-    watch = FaultWatch(tmp_path, rank_of_two(0, store)).start()
-    try:
-        assert watch._ended() == [1]
-        store.set("who/1", f"{process_id_view()} {os.getpid()} {started_at(os.getpid())}")  # the same process
-        watch.neighbours.clear()
-        assert watch._ended() == [] and watch._neighbours_gone() == []
-    finally:
-        watch.close()
-
-
-@pytest.mark.parametrize("error, marks", [(UserError("no such file: weights.pth"), "ended"),
-                                         (Preempted("SIGTERM"), "finished/1")])
-def test_an_error_of_one_rank_is_written_for_the_others_and_a_stop_is_not(tmp_path, error, marks):
-    store = job_store()
-    with pytest.raises(type(error)):
-        with handling_sigterm_and_faults(tmp_path, rank_of_two(1, store)):
-            raise error
-    assert store.check([marks])
-    if marks == "ended":
-        assert "rank 1 on" in store.get("ended").decode() and "UserError: no such file" in store.get("ended").decode()
-        assert not store.check(["finished/1"])
-    else:
-        assert not store.check(["ended"])
+from utils import UserError
 
 
 def test_a_check_stage_runs_on_the_ranks_gpu(monkeypatch):
@@ -157,15 +47,29 @@ def test_a_task_that_sees_one_gpu_takes_it_whatever_its_local_rank(monkeypatch):
 
 
 def test_the_store_waits_as_long_as_dist_timeout(monkeypatch):
-    """init_process_group sets its timeout only on a store it makes itself; every rank's store
-    (a client's too, and torchrun's attempt store) must wait --dist-timeout, not 5 s."""
+    """init_process_group sets its timeout only on a store it makes itself; the store the job
+    meets at must wait --dist-timeout (NCCL's start waits on it), not the minute of the join."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
-    ctx = init_distributed(Rendezvous(0, 0, 1, 1), "cpu", None, timeout_s=123)
-    try:
-        assert ctx.store.timeout == datetime.timedelta(seconds=123)
-    finally:
-        dist.destroy_process_group()
+    store = job_store(Ranks(0, 0, 1, 1), 123)
+    assert store.timeout == datetime.timedelta(seconds=123)
+
+
+def test_a_process_bound_to_its_own_cores_by_srun_keeps_them_all():
+    """srun --cpus-per-task=8 binds each task to its own 8 CPUs: that is its share already, not
+    a set to divide again by the tasks per node (taskset stands in for srun's binding)."""
+    code = ("import torch; from utils import cores_per_process; "
+            "from my_dataset import default_workers; "
+            "print(cores_per_process(4), default_workers(torch.device('cuda'), 4))")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 CPUs: one to bind to, one left out")
+    bound = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    assert bound == ["1", "1"]  # one CPU: one thread, and one loader worker (at least one)
+    whole = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    cores = len(os.sched_getaffinity(0))
+    assert whole == [str(max(1, cores // 4)), str(max(1, cores // 4 - 1))]
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
@@ -225,23 +129,20 @@ def test_the_fork_server_outlives_a_sigterm_from_outside_while_it_starts():
 
 
 @pytest.mark.parametrize("distributed", [False, True])  # forked by the training process; by a fork server
-def test_a_loader_worker_outlives_a_sigterm_from_outside_and_ends_on_its_trainers(distributed):
+def test_a_loader_worker_outlives_a_sigterm_to_the_whole_job(distributed):
     """slurmstepd and `kill -TERM -PGID` signal the workers too: they must go on serving the
-    training process, which stops at a step and saves. A SIGTERM from the training process
-    itself (torch's shutdown of a worker that did not stop in time) still ends one."""
+    training process, which stops at a step and saves; they end when it does."""
     ctx = DistContext(0, 0, 2, 2, torch.device("cpu"), distributed=True) if distributed else DistContext.single()
-    loader = torch.utils.data.DataLoader(Slow(), batch_size=2, num_workers=1,
-                                         worker_init_fn=functools.partial(start_worker, os.getpid()),
+    loader = torch.utils.data.DataLoader(Slow(), batch_size=2, num_workers=1, worker_init_fn=start_worker,
                                          multiprocessing_context=prepare_helper_start(ctx))
     batches = iter(loader)
     next(batches)
     worker = batches._workers[0]
-    subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)  # from another process
+    subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)
     time.sleep(1)
     for _ in range(5):
         next(batches)
     assert worker.is_alive()
-    os.kill(worker.pid, signal.SIGTERM)  # from this one, the worker's training process
+    del batches  # the loader's own shutdown still ends it
     worker.join(timeout=10)
-    assert worker.exitcode == 0
-    del batches
+    assert not worker.is_alive()

@@ -18,7 +18,7 @@ import train_multi_gpu_using_spawn
 import train_single_gpu
 from multi_train_utils.config import get_args_parser
 from multi_train_utils.distributed_utils import parse_device, resolve_device
-from processes.rendezvous import find_free_port, parse_dist_url
+from multi_train_utils.distributed_utils import find_free_port, parse_dist_url
 from utils import UserError
 
 LEGACY_LAUNCH = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2"]

@@ -15,7 +15,7 @@ from multi_train_utils.config import check_and_list_images
 from multi_train_utils.distributed_utils import DistContext, init_distributed, teardown
 from multi_train_utils.loaders import loaders_of, readable_split
 from my_dataset import CropDraws, DeviceCrops, MyDataSet, normalize, train_transforms
-from processes.rendezvous import Rendezvous, find_free_port
+from multi_train_utils.distributed_utils import Ranks, find_free_port
 from speed.device_augment import DeviceAugmentedLoader, check_device_room
 from utils import UserError
 
@@ -95,7 +95,7 @@ def test_pixels_that_would_not_fit_are_refused():
 
 def _rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ctx = init_distributed(Rendezvous(rank, rank, 2, 2), "cpu", "gloo", 120)
+    ctx = init_distributed(Ranks(rank, rank, 2, 2), "cpu", "gloo", 120)
     try:
         plan = check_and_list_images(args_for("--workers", "0", "--batch-size", "8", "--img-size", "32", "--device-augment"), "t",
                        verbose=False)

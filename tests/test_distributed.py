@@ -25,7 +25,7 @@ from multi_train_utils.loaders import loaders_of, readable_split
 from multi_train_utils.progress import Progress
 from multi_train_utils.train_eval_utils import build_optimizer, train_one_epoch
 from my_dataset import MyDataSet, build_transform, normalize
-from processes.rendezvous import Rendezvous, find_free_port
+from multi_train_utils.distributed_utils import Ranks, find_free_port
 from speed.scaling import ScalingTally, ddp_timers
 from utils import TrainingDiverged, list_images, load_split
 
@@ -234,7 +234,7 @@ def _step(model, ctx, images, labels, model_without_ddp=None):
 
 def _ddp_worker(rank: int, port: int, out_dir: str, per_rank: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ctx = init_distributed(Rendezvous(rank, rank, 2, 2), "cpu", "gloo", 120)
+    ctx = init_distributed(Ranks(rank, rank, 2, 2), "cpu", "gloo", 120)
     try:
         torch.set_default_dtype(torch.float64)
         images, labels = _real_batch(2 * per_rank)

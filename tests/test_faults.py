@@ -35,7 +35,7 @@ import train_single_gpu
 from model import create_model
 from multi_train_utils.checkpoint import Progress, load_checkpoint, make_checkpoint, save_atomic
 from multi_train_utils.distributed_utils import init_distributed, teardown
-from processes.rendezvous import Rendezvous, find_free_port
+from multi_train_utils.distributed_utils import Ranks, find_free_port
 
 def _save_forever(path: str) -> None:
     ramp = torch.arange(4_000_000, dtype=torch.float64)  # 32 MB: each save takes a while, so kills land mid-write
@@ -209,7 +209,7 @@ def test_two_spawn_jobs_at_once_with_the_default_ports_taken(tmp_path):
 
 def _silent_peer(rank: int, port: int, result_file: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    init_distributed(Rendezvous(rank, rank, 2, 2), "cpu", "gloo", 3)
+    init_distributed(Ranks(rank, rank, 2, 2), "cpu", "gloo", 3)
     try:
         if rank == 1:
             time.sleep(30)  # alive but never joins the collective

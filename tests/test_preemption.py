@@ -11,10 +11,9 @@ import time
 
 import pytest
 import torch
-from conftest import FAST, FAST_DEFAULT_WORKERS, SAMPLE, SMALL_MODEL, call_main, kill_group, launcher_cmd, metrics, ok, start, train, wait_for_epochs
+from conftest import FAST, FAST_DEFAULT_WORKERS, SAMPLE, SMALL_MODEL, kill_group, launcher_cmd, metrics, ok, start, train, wait_for_epochs
 
-import train_multi_gpu_using_spawn
-from cluster.preemption import TerminationRequest
+from cluster.sigterm import Preemption
 from model import create_model
 from multi_train_utils import train_eval_utils
 from multi_train_utils.checkpoint import load_checkpoint
@@ -31,13 +30,24 @@ EXIT_PREEMPTED = Preempted.exit_code
 SMALL_STEPS = ["--epochs", "2", "--batch-size", "2", *SMALL_MODEL]
 
 
-def test_sigterm_becomes_a_flag_and_the_old_handler_returns(tmp_path):
+def test_sigterm_is_an_exit_before_training_and_a_flag_during_it(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
-    with TerminationRequest(tmp_path, DistContext.single()) as termination:
-        assert not termination()
+    try:
+        preemption = Preemption()
+        signal.signal(signal.SIGTERM, preemption.on_sigterm)
+        preemption.training = True
+        assert not preemption.requested()
         os.kill(os.getpid(), signal.SIGTERM)
-        assert termination()
-    assert signal.getsignal(signal.SIGTERM) == before
+        assert preemption.requested()
+        starting = Preemption()
+        signal.signal(signal.SIGTERM, starting.on_sigterm)
+        with pytest.raises(SystemExit) as exit_info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs at the next bytecode
+        assert exit_info.value.code == EXIT_PREEMPTED and starting.requested()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # the process is ending: a second is ignored
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
     class Indices(torch.utils.data.Sampler):
         epoch = 3
