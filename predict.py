@@ -93,7 +93,7 @@ def predict(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])  # the first paragraph, whole
     parser.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER", help="image files and folders of images")
     parser.add_argument("--checkpoint", required=True, metavar="PATH",
                         help="best.pth or last.pth of a training run, or a model.onnx written by export.py")
