@@ -17,6 +17,7 @@ In docs/options.md each row of the table stands alone: a row's figure names both
 """
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -119,3 +120,65 @@ def test_a_figure_without_its_machine_or_its_command_is_caught():
     assert figures_without_origin("| `--x` | 32.0 s on an H200 |\n| `--y` | [p](p.md) |", rows_alone=True)
     assert not figures_without_origin("```output\n19.5 img/s, 20.5s\n```")  # printed, not claimed
     assert not figures_without_origin("(600s, 10m, 1.5h): a duration given, not measured")
+
+
+TORCH_STATED = re.compile(r"\btorch (\d+\.\d+(?:\.\d+)?)")
+RESULT_FILE = re.compile(r"(?<![\w/])(?:docs/)?benchmark/([\w./-]+?\.json)(?![\w.])")
+
+
+def recorded_torch(result: str) -> str | None:
+    """The torch version a result file in docs/benchmark/ records for its machine."""
+    path = REPO / "docs" / "benchmark" / result
+    if not path.is_file():
+        return None  # a file a command would write (--out), not a result
+    machine = json.loads(path.read_text()).get("machine")
+    if isinstance(machine, dict):
+        return machine.get("torch")
+    found = TORCH_STATED.search(machine or "")
+    return found and found[1]
+
+
+def torch_versions_unlike_their_results(text: str) -> list[str]:
+    """Each result file a section names whose recorded torch is not the version the section
+    states (or, where it states none, the section around it)."""
+    sections: list[tuple[int, str, list[str]]] = []  # (heading level, heading, lines)
+    parents: list[int] = []  # indices into sections, one per open heading level
+    fenced = False
+    sections.append((0, "(top)", []))
+    for line in text.splitlines():
+        fenced ^= line.startswith("```")
+        heading = re.match(r"(#+) ", line)
+        if heading and not fenced:
+            sections.append((len(heading[1]), line, []))
+        else:
+            sections[-1][2].append(line)
+    problems = []
+    for i, (level, heading, lines) in enumerate(sections):
+        chain = [i] + [j for j in range(i - 1, -1, -1) if sections[j][0] < level
+                       and all(sections[k][0] > sections[j][0] for k in range(j + 1, i))]
+        stated = next((found for j in chain if (found := TORCH_STATED.findall("\n".join(sections[j][2])))), [])
+        for result in sorted(set(RESULT_FILE.findall("\n".join(lines)))):
+            recorded = recorded_torch(result)
+            if recorded and not any(recorded == v or recorded.startswith(v + ".") or recorded.startswith(v + "+")
+                                    for v in stated):
+                problems.append(f"{heading}: {result} ran on torch {recorded}, the section says {stated or 'none'}")
+    return problems
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/performance.md", "docs/recipe.md"])
+def test_a_figures_torch_version_is_its_results(page):
+    problems = torch_versions_unlike_their_results((REPO / page).read_text())
+    assert not problems, "\n".join(problems)
+
+
+def test_a_torch_version_unlike_the_results_is_caught():
+    assert torch_versions_unlike_their_results(
+        "## A\n\nOn the Zen 4 VM, torch 2.14.1 ([t](benchmark/cpu-throughput.json)).") == [
+        "## A: cpu-throughput.json ran on torch 2.15.0+cu132, the section says ['2.14.1']"]
+    assert torch_versions_unlike_their_results("## A\n\nNo version ([t](benchmark/accuracy.json)).")
+    # The nearest section that states a version speaks for its subsections.
+    assert not torch_versions_unlike_their_results(
+        "## A\n\ntorch 2.15.0\n\n### B\n\n[t](benchmark/cpu-throughput.json)\n\n```\n# not a heading\n```\n"
+        "[d](benchmark/cpu-data.json)")
+    assert torch_versions_unlike_their_results(
+        "## A\n\ntorch 2.15.0\n\n## B\n\n[t](benchmark/cpu-throughput.json)")  # a sibling does not
