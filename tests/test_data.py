@@ -17,6 +17,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 import my_dataset
+import utils
 from multi_train_utils.config import check_and_list_images
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.loaders import loaders_of, readable_split
@@ -212,7 +213,8 @@ def test_pixels_stay_uint8_until_the_device_normalises_the_batch():
     ("cpu", 2, 2, 1),
 ])
 def test_default_loader_workers(monkeypatch, device, cores, local_processes, expected):
-    monkeypatch.setattr(my_dataset, "cpu_count", lambda: cores)
+    monkeypatch.setattr(utils, "cpu_count", lambda: cores)  # a machine of `cores` CPUs, this process bound to none
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
     assert my_dataset.default_workers(torch.device(device), local_processes) == expected
 
 

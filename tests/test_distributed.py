@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import cpu_sync_batchnorm, create_model
 from multi_train_utils import distributed_utils
+import utils
 from multi_train_utils.checkpoint import REQUIRED_KEYS, load_checkpoint
 from multi_train_utils.config import check_and_list_images
 from multi_train_utils.distributed_utils import DistContext, ShardSampler, init_distributed, teardown
@@ -173,7 +174,8 @@ def threads_of(monkeypatch):
     """The math threads one of `processes` CPU processes on a 32-core machine sets itself, in
     the environment `env` and with a launcher started in `launcher_env` (None: unreadable)."""
     before = torch.get_num_threads()
-    monkeypatch.setattr(distributed_utils, "cpu_count", lambda: 32)
+    monkeypatch.setattr(utils, "cpu_count", lambda: 32)  # a 32-core machine, this process bound to none
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
 
     def threads(processes: int, env: dict[str, str], launcher_env: dict[str, str] | None = None) -> int:
         for key in ("OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID"):

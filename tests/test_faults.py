@@ -247,7 +247,7 @@ import os, socket, sys, time
 from multiprocessing import resource_sharer
 if sys.argv[1] == "worker":
     from multi_train_utils.loaders import start_worker
-    start_worker(os.getppid(), 0)
+    start_worker(0)
 read_end, _ = os.pipe()
 resource_sharer.DupFd(read_end)  # what torch's reduction does for a shared-memory batch
 s = socket.socket(socket.AF_UNIX)

@@ -2,24 +2,18 @@
 environment, and checkpoints that move between launchers and world sizes."""
 from __future__ import annotations
 
-import datetime
 import math
 import os
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
-import torch.distributed as dist
 from conftest import (FAST, FAST_DEFAULT_WORKERS, SAMPLE, SMALL_MODEL, child_pids, kill_group, launcher_cmd, metrics,
                       ok, processes_with_marker, start, start_job, train_here, wait_for_epochs, wait_until_gone)
 
-from processes.attempt_store import POST, attempt_store
-from processes.rendezvous import find_free_port, store_listening_on
+from multi_train_utils.distributed_utils import find_free_port
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 pytestmark = pytest.mark.slow
@@ -45,8 +39,7 @@ def test_slurm_environment_tasks_in_pid_namespaces_of_their_own_with_their_own_c
     """What `srun --ntasks=2` gives each task: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, plus
     the MASTER_ADDR/MASTER_PORT that the sbatch script exports. Rank 1 runs in a PID namespace
     of its own, as containers that share a host name do (`docker run --network host`,
-    Kubernetes' hostNetwork): a process id of one means nothing to the other, and the fault
-    watch must name no healthy rank. Each resumes from its own copy of the run folder (a
+    Kubernetes' hostNetwork). Each resumes from its own copy of the run folder (a
     node-local copy), and rank 1's lacks split.json: rank 0's view decides what every rank does."""
     first, copy = tmp_path / "first", tmp_path / "copy"
     ok(train_here(first, "--epochs", "1", *SMALL_MODEL))
@@ -165,26 +158,3 @@ def test_a_second_agent_joining_restarts_the_job_with_both(tmp_path):
     assert records[0]["world_size"] == 1 and records[-1]["world_size"] == 2
     for _, out, err in results:
         assert "disagree" not in err and "claim rank" not in err, err[-3000:]
-
-
-def test_a_restarted_rank_skips_an_earlier_attempts_store(monkeypatch):
-    """The agent's store still holds the post of an earlier attempt: first a port that is
-    closed now, then a live store with another token (another attempt's rank 0, or a program
-    on a reused port). Rank 1 waits past both for this attempt's rank 0, and meets at its store."""
-    agent = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))
-    agent.set(POST, f"{find_free_port()} {secrets.token_hex(8)}")  # closed: nothing listens there
-    other = store_listening_on("127.0.0.1", 0, 30)
-    other.set("token", "someone-else")
-    met = {}
-    rank_1 = threading.Thread(target=lambda: met.update(one=attempt_store(agent, 1, "127.0.0.1:1", 30)))
-    rank_1.start()
-    time.sleep(0.5)
-    agent.set(POST, f"{other.port} not-someone-else")  # a live store, but not the one posted
-    time.sleep(0.5)
-    assert rank_1.is_alive()
-    where, store = attempt_store(agent, 0, "127.0.0.1:1", 30)
-    rank_1.join(10)
-    assert met["one"][0] == where and where != f"127.0.0.1:{other.port}"
-    store.set("hello", "from rank 0")
-    assert met["one"][1].get("hello") == b"from rank 0"
