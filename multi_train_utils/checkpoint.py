@@ -245,8 +245,8 @@ def load_weights(model: nn.Module, source: str, log: Callable[[str], None], arch
         except Exception as e:  # URLError and friends: offline, proxy, no disk
             raise UserError(
                 f"could not download torchvision's ImageNet weights for {architecture} ({type(e).__name__}: {e}); "
-                "offline, download them elsewhere (torchvision.models.get_model_weights) and pass the file "
-                "as --weights PATH"
+                f"offline, save them on a machine online with torch.save(torchvision.models.get_model_weights("
+                f"{architecture!r}).DEFAULT.get_state_dict(), PATH) and pass PATH as --weights"
             ) from None
     else:
         state = read_state_dict(source)

@@ -83,7 +83,7 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
                       help="decode and resize every image once and keep the pixels in shared memory "
                            "(one copy per machine), so epochs after the first skip JPEG decoding")
     data.add_argument("--workers", type=int, default=None,
-                      help="data-loader processes per training process (default: CPUs per process - 1, at most 8)")
+                      help="data-loader processes per training process (default: CPUs per process - 1; on the CPU at most 8)")
 
     train = p.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=None,
@@ -192,10 +192,12 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
                           "bandwidth, one timed step alone and under DDP; exit 0 when a job would run, 1 when not")
     run.add_argument("--check-timeout", type=float, default=20,
                      help="seconds each --check stage may take before it counts as hung")
-    run.add_argument("--trace-collectives", action="store_true",
-                     help="record every collective each rank makes (DDP's and SyncBatchNorm's included) with the "
-                          "launcher line that led to it: rank 0 prints them by line after each epoch, and each "
-                          "rank's list goes to RUN_DIR/collectives/ (steps eagerly: a CUDA graph hides them)")
+    if launcher != "single":  # one process meets no one
+        run.add_argument("--trace-collectives", action="store_true",
+                         help="record every collective each rank makes in Python (DDP's and SyncBatchNorm's "
+                              "included) with the launcher line that led to it: rank 0 prints them by line after each "
+                              "epoch, and each rank's list goes to RUN_DIR/collectives/ (steps eagerly: a CUDA graph "
+                              "hides them)")
 
     old = p.add_argument_group("the original scripts' spellings",
                                "accepted so that their command lines and job scripts run unchanged")
@@ -302,10 +304,7 @@ def check_options(args: argparse.Namespace, launcher: str) -> None:
     if args.cuda_graph == "on" and blockers(args):
         raise UserError(f"--cuda-graph on cannot run with {'; '.join(blockers(args))}")
     parse_dist_url(getattr(args, "dist_url", "env://"))
-    if args.trace_collectives and launcher == "single":
-        raise UserError("--trace-collectives records where processes meet: one process meets no one "
-                        "(use train_multi_gpu_using_launch.py or train_multi_gpu_using_spawn.py)")
-    if args.trace_collectives and args.check:
+    if getattr(args, "trace_collectives", False) and args.check:
         raise UserError("--trace-collectives records a training run's collectives; --check trains none (its own "
                         "job's are listed in docs/how-it-works.md, \"Where the ranks meet\")")
     if (args.drop_missing or args.data_moved) and not args.resume:
