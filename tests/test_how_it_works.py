@@ -550,14 +550,14 @@ def test_readme_links_the_page_on_its_first_screen():
       "data/flower_photos --epochs 1 --img-size 32 --no-plots --lr"), "--data-path data/flower_photos: not a folder"),
     (("train_single_gpu.py --device cpu", "train_single_gpu.py --device cuda"), "only with --device cpu"),
     (("torchrun --nproc_per_node=2 --no-python", "torchrun --nproc-per-nodes=2 --no-python"), "torch.distributed.run"),
-    (("process group: backend=gloo, world_size=2, rendezvous=localhost",
-      "process group joined: backend=gloo, world_size=2, rendezvous=localhost"), "printed by nothing in the code"),
+    (("process group: backend=gloo, world_size=2, threads",
+      "process group joined: backend=gloo, world_size=2, threads"), "printed by nothing in the code"),
     (("(multi-node.md#slurm)", "(multi-node.md#slurm-jobs)"), "no such heading"),
     # The map in another order than the code's: the launcher joins the group before it trains,
-    (("  init_distributed()              multi_train_utils/distributed_utils.py\n",
+    (("  job_store()                     multi_train_utils/distributed_utils.py  where the processes meet\n",
       "  train()                         train_multi_gpu_using_launch.py         the run, in every process: read it\n"
-      "  init_distributed()              multi_train_utils/distributed_utils.py\n"),
-     "map: main() does not call init_distributed() after train()"),
+      "  job_store()                     multi_train_utils/distributed_utils.py  where the processes meet\n"),
+     "map: main() does not call job_store() after train()"),
     # and wraps the model in DDP before the optimizer is built, not after;
     (("    torch.nn.parallel.DistributedDataParallel()                           the wrap\n"
       "    build_optimizer()             multi_train_utils/train_eval_utils.py   after the wrap\n",
@@ -598,7 +598,7 @@ def test_renaming_a_function_in_the_code_fails_the_page(page, tmp_path):
         copy.write_text(path.read_text().replace("def env_ranks(", "def ranks_from_environment("))
     problems = problems_of(page, Code(tmp_path))
     assert "`env_ranks()`: defined nowhere in the project" in problems, problems
-    assert "map: env_ranks() is in none of processes/rendezvous.py" in problems, problems
+    assert "map: env_ranks() is in none of multi_train_utils/distributed_utils.py" in problems, problems
 
 
 def test_commands_are_split_as_a_shell_splits_them():
