@@ -69,8 +69,9 @@ def main() -> None:
             collective_trace.start(__file__)
         ctx = process_context(plan.ranks, args.device)  # on GPUs, its local rank's; its share of the CPU cores
         if ctx.distributed:
-            # NCCL on GPUs, gloo on the CPU. A peer that is missing, dead or stuck becomes an error
-            # after --dist-timeout; job_store: where the processes meet (torchrun's agent's store).
+            # init_process_group: complete once every rank has joined (gloo connects to each peer; NCCL,
+            # given device_id, its communicator). NCCL on GPUs, gloo on the CPU; a peer missing, dead or stuck
+            # becomes an error after --dist-timeout. job_store: where they meet (torchrun's agent's store).
             dist.init_process_group(backend_for(ctx, args.backend), store=job_store(plan.ranks, args.dist_timeout),
                                     rank=ctx.rank, world_size=ctx.world_size,
                                     timeout=datetime.timedelta(seconds=args.dist_timeout),
@@ -90,7 +91,8 @@ def train(plan, ctx) -> None:
     args = plan.args
     began = time.perf_counter()
     output_dir = create_run_folder(plan, ctx)  # broadcast: rank 0 creates it (and prints the configuration)
-    # --resume's checkpoint, read by every rank (a broadcast under --resume auto: whether rank 0 found last.pth).
+    # --resume's checkpoint, read by every rank (a broadcast under --resume auto: whether rank 0 found last.pth;
+    # resuming, an all_gather: every rank read the same position).
     checkpoint = read_resume_checkpoint(args, output_dir, ctx)
     # --trace-collectives: each rank's list kept, however the run ends.
     with collective_trace.kept(output_dir, ctx):
@@ -118,8 +120,9 @@ def train(plan, ctx) -> None:
                 model = cpu_sync_batchnorm(model)  # torch's runs on GPUs only: the same sums, over gloo
         model_without_ddp = model  # what is saved, evaluated and averaged: its weights load under any launcher
         if ctx.distributed:
-            # all_gather: DDP checks that every rank's parameters have the same shapes; broadcast: it copies
-            # rank 0's weights and buffers to every rank. backward() will all-reduce the gradients.
+            # all_gather of the parameter count and a broadcast of rank 0's shapes: DDP checks every rank has the
+            # same parameters; broadcast: rank 0's weights and buffers to every rank. backward() will all-reduce
+            # the gradients.
             model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
             if args.trace_collectives:  # its gradients' all-reduces made where the trace sees them
                 collective_trace.watch_gradients(model)
@@ -150,7 +153,8 @@ def train(plan, ctx) -> None:
                 # least every 20 steps (a NaN loss or a SIGTERM on any rank stops them all), and the epoch's loss
                 # and accuracy; --sync-bn: 4 per BatchNorm layer and batch on the CPU, an all_gather and an
                 # all_reduce on GPUs. broadcast: DDP's of rank 0's buffers in the forward of each step's first
-                # batch. On a GPU the step is a CUDA graph, replayed after a few eager steps (--cuda-graph off).
+                # batch. One process on a GPU replays the step as a CUDA graph; a job of several GPUs steps
+                # eagerly (--cuda-graph on).
                 train_stats = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress,
                                               args, ctx, ema, preemption.requested)
                 if train_stats["stopped_after"]:  # SIGTERM: every rank stopped after the same step

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import time
 
 import pytest
 import torch
-from conftest import FAST, FAST_DEFAULT_WORKERS, SAMPLE, SMALL_MODEL, kill_group, launcher_cmd, metrics, ok, start, train, wait_for_epochs
+from conftest import REPO, FAST, FAST_DEFAULT_WORKERS, SAMPLE, SMALL_MODEL, kill_group, launcher_cmd, metrics, ok, start, train, wait_for_epochs
 
 from cluster.sigterm import Preemption
 from model import create_model
@@ -150,6 +151,14 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
+def torchrun_job_script(torchrun: str) -> str:
+    """The job script of docs/troubleshooting.md, its torchrun command line replaced by `torchrun`."""
+    text = (REPO / "docs" / "troubleshooting.md").read_text()
+    script = re.search(r"```bash\n(trap 'preempted=1.*?)```", text, re.S).group(1)
+    command = re.search(r"^torchrun .*?&$", script, re.S | re.M).group(0)
+    return script.replace(command, torchrun + " &")
+
+
 @pytest.mark.slow
 # With the default loader workers, which get the SIGTERM too: forked by the training process
 # (single), or by a fork server on CPython before 3.11.10 (launch). The spawn launcher's case,
@@ -159,19 +168,20 @@ def test_sigterm_stops_at_a_step_and_resume_ends_as_if_uninterrupted(launcher, u
     world_size = 1 if launcher == "single" else 2
     cmd = launcher_cmd(launcher, world_size) + ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path),
                                                  *FAST_DEFAULT_WORKERS, *SMALL_STEPS]
-    procs = [start(cmd)]
+    if launcher == "launch":  # torchrun under the job script of docs/troubleshooting.md, which tells a preemption
+        cmd = ["bash", "-c", torchrun_job_script(" ".join(cmd))]
+    proc = start(cmd)
     try:
-        wait_for_epochs(procs[0], tmp_path, 1, timeout=300)
-        os.killpg(procs[0].pid, signal.SIGTERM)  # as slurmstepd and `docker stop` signal every process of a job
-        results = [(proc.wait(timeout=120), proc.stderr.read()) for proc in procs]
+        wait_for_epochs(proc, tmp_path, 1, timeout=300)
+        if launcher == "launch":
+            proc.send_signal(signal.SIGTERM)  # the script alone, as `docker stop` and Kubernetes signal it
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)  # as slurmstepd signals every process of a job
+        code, err = proc.wait(timeout=120), proc.stderr.read()
     finally:
-        for proc in procs:
-            kill_group(proc)
-    errors = "\n".join(err[-2000:] for _, err in results)
-    stopped_lines = sum(err.count("stopped: SIGTERM: every process stopped after step") for _, err in results)
-    assert stopped_lines == world_size, errors
-    # Our launchers end with 75; torchrun, signalled itself, reports its own 1.
-    assert [code for code, _ in results] == ([1] if launcher == "launch" else [EXIT_PREEMPTED] * len(procs)), errors
+        kill_group(proc)
+    assert err.count("stopped: SIGTERM: every process stopped after step") == world_size, err[-3000:]
+    assert code == EXIT_PREEMPTED, err[-3000:]
     checkpoint = load_checkpoint(tmp_path / "last.pth")
     assert checkpoint["steps_in_epoch"] > 0 and checkpoint["epoch"] == len(metrics(tmp_path)), checkpoint["epoch"]
 
