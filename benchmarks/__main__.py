@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the shares each --variant trains at (default: --budgets)")
     a.add_argument("--runs-dir", default=None, help="where ours' run folders go (default: runs/benchmark-accuracy-TIME)")
 
-    e = sub.add_parser("endtoend", help="wall clock of whole training commands on a folder of a given size")
+    e = sub.add_parser("endtoend", help="wall clock of whole training commands on a folder of a given size, and "
+                                        "their time to the seed recipe's final accuracy, trained beside them")
     common(e, "docs/benchmark/endtoend.json", 224)
     e.add_argument("--images", type=int, default=3670,
                    help="pictures in the folder trained on, made of hard links to --data-path's (flower_photos has 3670)")
@@ -97,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tree", action="append", default=[], type=tree_spec, metavar="NAME=PATH",
                    help="run the same commands in this checkout too (repeatable; e.g. a `git worktree` of an "
                         "older commit, for a before-and-after in one sitting; default: this checkout alone)")
+    e.add_argument("--seed-recipe", action=BoolFlag, default=True,
+                   help="also train the seed recipe (benchmarks/seed_recipe.py, one process, as a command of its "
+                        "own) on the same folder and settings, once per repeat; its final validation accuracy is "
+                        "the target whose time each run reports (--no-seed-recipe: the times to the end only)")
 
     p = sub.add_parser("profile", help="where one training step of ours spends the device's time, by kind of kernel")
     common(p, "docs/benchmark/profile.json", 224)

@@ -1,11 +1,14 @@
 """The end-to-end experiment: a whole training command timed as its user sees it, from typing it
 to its exit (start-up, the image list and split, decoding, every epoch's training and
-evaluation, the checkpoints and the final report), on a folder of a given size."""
+evaluation, the checkpoints and the final report), on a folder of a given size; and its time to
+an accuracy: the seed recipe's final one, the seed recipe trained in the same call, as a command
+of its own (`python -m benchmarks.endtoend OPTIONS`, this module's own command line)."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -16,9 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.instruments import ROOT, Run, data_of_size, write_result
-from utils import read_metrics
+from benchmarks.accuracy import curve, first_reach
+from benchmarks.instruments import ROOT, Run, data_of_size, median, write_result
+from benchmarks.seed_recipe import train_seed
+from multi_train_utils.config import check_and_list_images, get_args_parser
+from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.loaders import readable_split
+from utils import METRICS_FILE, exit_on_error, read_metrics
 
+SEED = "the seed recipe"  # its runs' label; the target is its final accuracy
 DEFINITIONS = {
     "wall_seconds": "from starting the command to its exit, as `time` would show it",
     "to_last_checkpoint_seconds": "from starting the command to the last write of last.pth (the final epoch's); "
@@ -33,11 +42,23 @@ DEFINITIONS = {
     "first_epoch_seconds": "training time of epoch 1 (cuDNN autotuning, compilation, loader start)",
     "data_wait_share": "seconds the training loop waited for batches over all epochs / training seconds",
     "train_images_per_sec": "median over epochs 2 onwards of each epoch's training images/s",
+    "curve": "per epoch: [seconds from starting the command to the moment its epoch line came out on stdout (after "
+             "the epoch's evaluation; stamped here as it arrives through the pipe), validation accuracy (an --ema "
+             "run's: the average's)]",
+    "final_val_acc": "the last epoch's validation accuracy (an --ema run's: the average's)",
+    "target_val_acc": "the seed recipe's final validation accuracy, median over its runs in this call",
+    "to_target_seconds": "from starting the command to the line of its first epoch whose validation accuracy "
+                         "reaches target_val_acc (the curve's seconds); null: not reached",
+    SEED: "benchmarks/seed_recipe.py's train_seed as a command of its own (python -m benchmarks.endtoend), one "
+          "process, on the same folder, split, epochs, image size and batch size as ours; it writes metrics.jsonl "
+          "at its end but no checkpoints (the original saved its weights every epoch), and has no final report",
 }
 LAUNCHERS = {"single": "train_single_gpu", "spawn": "train_multi_gpu_using_spawn", "torchrun": "train_multi_gpu_using_launch"}
-SUMMARY_KEYS = ("wall_seconds", "to_last_checkpoint_seconds", "epochs_seconds", "outside_epochs_seconds",
-                "import_seconds", "beyond_imports_seconds", "first_epoch_seconds", "train_images_per_sec",
-                "data_wait_share")
+# The seed recipe's runs lack the ones its loop does not measure, or it does not do (checkpoints).
+SUMMARY_KEYS = ("final_val_acc", "wall_seconds", "to_last_checkpoint_seconds", "epochs_seconds",
+                "outside_epochs_seconds", "import_seconds", "beyond_imports_seconds", "first_epoch_seconds",
+                "train_images_per_sec", "data_wait_share")
+EPOCH_LINE = re.compile(r"(?:seed )?epoch (\d+)/\d+: ")  # ours (run_folder.epoch_line) and the seed recipe's
 
 
 def tree_spec(text: str) -> tuple[str, Path]:
@@ -67,95 +88,165 @@ def import_seconds(tree: Path, launcher: str) -> float:
                                 text=True).stdout)
 
 
-def time_command(cmd: list[str], out_dir: Path, tree: Path = ROOT) -> dict[str, Any]:
-    """Run one training command to its end; its wall clock and what its metrics.jsonl says."""
+def time_command(cmd: list[str], out_dir: Path, tree: Path = ROOT, ours: bool = True) -> dict[str, Any]:
+    """Run one training command to its end: its wall clock, when each epoch's line came out, and what
+    its metrics.jsonl says. `ours`: a launcher's run, with checkpoints and its loader's waiting measured."""
     print("$ " + shlex.join(["python", *cmd[1:]]), flush=True)
-    started, started_wall = time.perf_counter(), time.time()
-    proc = subprocess.run(cmd, cwd=tree, env={**os.environ, "TQDM_DISABLE": "1"}, capture_output=True, text=True)
-    wall = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+    with tempfile.TemporaryFile("w+") as stderr:
+        started, started_wall = time.perf_counter(), time.time()
+        proc = subprocess.Popen(cmd, cwd=tree, env={**os.environ, "TQDM_DISABLE": "1"}, stdout=subprocess.PIPE,
+                                stderr=stderr, text=True, bufsize=1)
+        lines = [(time.perf_counter() - started, line.rstrip("\n")) for line in proc.stdout]
+        returncode = proc.wait()
+        wall = time.perf_counter() - started
+        if returncode != 0:
+            stderr.seek(0)
+            raise RuntimeError(f"exit {returncode}: {stderr.read().strip().splitlines()[-1:]}")
     records = read_metrics(out_dir)
     train = sum(r["epoch_seconds"] for r in records)
     epochs = train + sum(r["eval_seconds"] for r in records)
-    return {
+    accuracies = epoch_curve(lines, records)
+    measured = {
         "wall_seconds": round(wall, 2),
-        "to_last_checkpoint_seconds": round((out_dir / "last.pth").stat().st_mtime - started_wall, 2),
+        "final_val_acc": accuracies[-1][1],
+        "curve": accuracies,
         "epochs_seconds": round(epochs, 2),
         "outside_epochs_seconds": round(wall - epochs, 2),
         "first_epoch_seconds": round(records[0]["epoch_seconds"], 2),
-        "data_wait_share": round(sum(r["data_wait_seconds"] for r in records) / train, 4),
-        "train_images_per_sec": round(statistics.median(r["train_images_per_sec"] for r in records[1:] or records), 1),
         "epochs": len(records),
         # Each epoch's (train_loss, val_loss): two checkouts that must train alike compare equal here.
         "losses": [[r["train_loss"], r["val_loss"]] for r in records],
-        "startup_lines": [line for line in proc.stdout.splitlines() if line.startswith(("device augment:", "cache:"))],
-        "time_line": next((line for line in proc.stdout.splitlines() if line.startswith("time:")), None),
+    }
+    if not ours:
+        return measured
+    stdout = [line for _, line in lines]
+    return {
+        **measured,
+        "to_last_checkpoint_seconds": round((out_dir / "last.pth").stat().st_mtime - started_wall, 2),
+        "data_wait_share": round(sum(r["data_wait_seconds"] for r in records) / train, 4),
+        "train_images_per_sec": round(statistics.median(r["train_images_per_sec"] for r in records[1:] or records), 1),
+        "startup_lines": [line for line in stdout if line.startswith(("device augment:", "cache:"))],
+        "time_line": next((line for line in stdout if line.startswith("time:")), None),
     }
 
 
-def summarise(label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The medians of one configuration's successful runs."""
+def epoch_curve(lines: list[tuple[float, str]], records: list[dict[str, Any]]) -> list[list[float]]:
+    """[seconds from the command's start to its epoch line, validation accuracy] per epoch of
+    `records`; `lines`: the command's stdout, each line with the seconds at which it came out.
+    The accuracy is the one the accuracy experiment judges (curve: an --ema run's average's)."""
+    printed = {int(m[1]): seconds for seconds, line in lines if (m := EPOCH_LINE.match(line))}
+    return [[round(printed[r["epoch"]], 2), acc] for r, (_, acc) in zip(records, curve(records))]
+
+
+def mark_time_to_target(measurements: list[dict[str, Any]]) -> float | None:
+    """Each successful run's to_target_seconds, against the seed recipe's final accuracy (the
+    median over its runs here), which it returns; None, and no marks, without a seed run."""
+    target = median(m["final_val_acc"] for m in measurements if m["options"] == SEED and "error" not in m)
+    for m in measurements:
+        if target is not None and "error" not in m:
+            m["to_target_seconds"] = first_reach(m["curve"], target)
+    return target
+
+
+def summarise(label: str, runs: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
+    """The medians of one configuration's successful runs; the time to the target is the median of
+    the runs that reached it, and how many did not is said."""
     if not runs:
         return {"options": label, "error": "no run succeeded"}
-    return {"options": label, "runs": len(runs), **{k: statistics.median(r[k] for r in runs) for k in SUMMARY_KEYS}}
+    row = {"options": label, "runs": len(runs), **{k: median(r[k] for r in runs) for k in SUMMARY_KEYS if k in runs[0]}}
+    if target is not None:
+        reached = [r["to_target_seconds"] for r in runs if r["to_target_seconds"] is not None]
+        row.update(to_target_seconds=median(reached), runs_not_reaching_target=len(runs) - len(reached))
+    return row
+
+
+def to_target_cell(row: dict[str, Any]) -> str:
+    if "runs_not_reaching_target" not in row:
+        return "–"
+    if row["to_target_seconds"] is None:
+        return "not reached"
+    missed = row["runs_not_reaching_target"]
+    return f"{row['to_target_seconds']:.1f}" + (f" (not reached in {missed} of {row['runs']})" if missed else "")
 
 
 def report_table(result: dict[str, Any]) -> str:
-    lines = ["| configuration | wall s (median) | to last checkpoint s | epochs s | outside epochs s | importing s "
-             "| outside less importing s | epoch 1 s | img/s | waiting for data |", "|---|---|---|---|---|---|---|---|---|---|"]
+    target = result["target_val_acc"]
+    lines = [f"target: {SEED}'s final validation accuracy, {target:.4f}" if target is not None
+             else f"target: none ({SEED} did not run)",
+             "| configuration | final val acc | to target s | wall s (median) | to last checkpoint s | epochs s "
+             "| outside epochs s | importing s | outside less importing s | epoch 1 s | img/s | waiting for data |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    formats = {"final_val_acc": "{:.4f}", "wall_seconds": "{:.1f}", "to_last_checkpoint_seconds": "{:.1f}",
+               "epochs_seconds": "{:.1f}", "outside_epochs_seconds": "{:.1f}", "import_seconds": "{:.1f}",
+               "beyond_imports_seconds": "{:.1f}", "first_epoch_seconds": "{:.1f}", "train_images_per_sec": "{:.0f}"}
     for row in result["summary"]:
+        name = row["options"] if row["options"] == SEED else f"`{row['options'] or '(defaults)'}`"
         if "error" in row:
-            lines.append(f"| `{row['options'] or '(defaults)'}` | {row['error']} |" + " |" * 8)
+            lines.append(f"| {name} | {row['error']} |" + " |" * 10)
             continue
-        lines.append(f"| `{row['options'] or '(defaults)'}` | {row['wall_seconds']:.1f} | "
-                     f"{row['to_last_checkpoint_seconds']:.1f} | {row['epochs_seconds']:.1f} | "
-                     f"{row['outside_epochs_seconds']:.1f} | {row['import_seconds']:.1f} | "
-                     f"{row['beyond_imports_seconds']:.1f} | {row['first_epoch_seconds']:.1f} | "
-                     f"{row['train_images_per_sec']:.0f} | {100 * row['data_wait_share']:.1f}% |")
+        cells = [formats[k].format(row[k]) if k in row else "–" for k in formats]
+        wait = f"{100 * row['data_wait_share']:.1f}%" if "data_wait_share" in row else "–"
+        lines.append(f"| {name} | {cells[0]} | {to_target_cell(row)} | " + " | ".join(cells[1:]) + f" | {wait} |")
     return "\n".join(lines)
 
 
+def run_line(record: dict[str, Any]) -> str:
+    """What one finished run printed: its time, and where it went."""
+    if record["options"] == SEED:
+        return f"{record['wall_seconds']:.1f}s, final val acc {record['final_val_acc']:.4f}"
+    return (f"{record['wall_seconds']:.1f}s ({record['outside_epochs_seconds']:.1f}s outside the epochs, "
+            f"{record['beyond_imports_seconds']:.1f}s of it beyond importing), "
+            f"{100 * record['data_wait_share']:.1f}% waiting for data, final val acc {record['final_val_acc']:.4f}")
+
+
 def endtoend(args: argparse.Namespace) -> dict[str, Any]:
-    """The `endtoend` command: each set of options in each checkout, --repeats times,
-    interleaved; medians. The result is written after every run, so a limit loses at most one."""
+    """The `endtoend` command: the seed recipe, then each set of options in each checkout,
+    --repeats times, interleaved; medians. The result is written after every run, so a limit
+    loses at most one."""
     run = Run("endtoend", args.machine)
     trees = args.tree or [("", ROOT)]
-    configurations = [(name, tree, options) for name, tree in trees for options in args.variant or [""]]
-    labels = [f"{name}: {options}" if name else options for name, _, options in configurations]
+    # options None: the seed recipe, from this checkout (it is frozen: every checkout's is the same).
+    configurations = [(SEED, ROOT, None)] if args.seed_recipe else []
+    configurations += [(f"{name}: {options}" if name else options, tree, options)
+                       for name, tree in trees for options in args.variant or [""]]
     nproc = args.nproc or (1 if args.launcher == "single" else 2)
     measurements: list[dict[str, Any]] = []
     settings = {"data_path": args.data_path, "images": args.images, "epochs": args.epochs, "img_size": args.img_size,
                 "batch_size": args.batch_size, "repeats": args.repeats, "launcher": args.launcher, "nproc": nproc,
-                "trees": {name: str(tree) for name, tree in trees}, "variants": args.variant or [""]}
+                "trees": {name: str(tree) for name, tree in trees}, "variants": args.variant or [""],
+                "seed_recipe": args.seed_recipe}
 
     def result() -> dict[str, Any]:
-        summary = [summarise(label, [m for m in measurements if m["options"] == label and "error" not in m])
-                   for label in labels]
-        return run.result(settings, definitions=DEFINITIONS, summary=summary, measurements=measurements)
+        target = mark_time_to_target(measurements)
+        summary = [summarise(label, [m for m in measurements if m["options"] == label and "error" not in m], target)
+                   for label, _, _ in configurations]
+        return run.result(settings, definitions=DEFINITIONS, target_val_acc=target, summary=summary,
+                          measurements=measurements)
 
     with tempfile.TemporaryDirectory() as tmp, data_of_size(args.data_path, args.images) as (data, pictures):
         settings["source_pictures"] = pictures
         for repeat in range(args.repeats):
-            order = list(zip(labels, configurations))
-            for i, (label, (_, tree, options)) in enumerate(order if repeat % 2 == 0 else order[::-1]):
+            order = configurations if repeat % 2 == 0 else configurations[::-1]
+            for i, (label, tree, options) in enumerate(order):
                 out = Path(tmp) / f"run-{repeat}-{i}"
-                cmd = [*launcher_command(args.launcher, nproc), "--data-path", str(Path(data).resolve()),
-                       "--output-dir", str(out), "--epochs", str(args.epochs), "--img-size", str(args.img_size),
-                       "--batch-size", str(args.batch_size), *shlex.split(options)]
+                common = ["--data-path", str(Path(data).resolve()), "--output-dir", str(out), "--epochs",
+                          str(args.epochs), "--img-size", str(args.img_size), "--batch-size", str(args.batch_size)]
                 record: dict[str, Any] = {"options": label, "repeat": repeat + 1}
                 try:
-                    record.update(time_command(cmd, out, tree))
-                    record["import_seconds"] = round(import_seconds(tree, args.launcher), 2)
-                    record["beyond_imports_seconds"] = round(record["outside_epochs_seconds"] - record["import_seconds"], 2)
+                    if options is None:
+                        cmd = [sys.executable, "-m", "benchmarks.endtoend", *common]
+                        record.update(time_command(cmd, out, ROOT, ours=False))
+                    else:
+                        cmd = [*launcher_command(args.launcher, nproc), *common, *shlex.split(options)]
+                        record.update(time_command(cmd, out, tree))
+                        record["import_seconds"] = round(import_seconds(tree, args.launcher), 2)
+                        record["beyond_imports_seconds"] = round(record["outside_epochs_seconds"]
+                                                                 - record["import_seconds"], 2)
                 except Exception as e:  # noqa: BLE001 (one failing set of options must not lose the others' numbers)
                     record["error"] = f"{type(e).__name__}: {e}"
                     print(f"error: {label or '(defaults)'}: {record['error']}", file=sys.stderr, flush=True)
                 else:
-                    print(f"[{repeat + 1}/{args.repeats}] {label or '(defaults)'}: {record['wall_seconds']:.1f}s "
-                          f"({record['outside_epochs_seconds']:.1f}s outside the epochs, "
-                          f"{record['beyond_imports_seconds']:.1f}s of it beyond importing), "
-                          f"{100 * record['data_wait_share']:.1f}% waiting for data", flush=True)
+                    print(f"[{repeat + 1}/{args.repeats}] {label or '(defaults)'}: {run_line(record)}", flush=True)
                 measurements.append(record)
                 shutil.rmtree(out, ignore_errors=True)
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -163,3 +254,20 @@ def endtoend(args: argparse.Namespace) -> dict[str, Any]:
     final = result()
     write_result(final, args.out, report_table(final))
     return final
+
+
+def train_seed_recipe(argv: list[str]) -> None:
+    """`python -m benchmarks.endtoend OPTIONS`: the seed recipe (seed_recipe.train_seed) as a
+    command of its own, so that its clock starts, as ours does, with the interpreter. It reads the
+    launchers' options (the data, split, epochs, image size, batch size and output folder are what
+    it uses), prints each epoch's line as the epoch ends and writes metrics.jsonl at its end."""
+    plan = check_and_list_images(get_args_parser(SEED).parse_args(argv), "benchmark", verbose=False)
+    records = train_seed(plan.args, readable_split(plan, DistContext.single()), lambda line: print(line, flush=True))
+    out = Path(plan.args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+if __name__ == "__main__":
+    with exit_on_error():
+        train_seed_recipe(sys.argv[1:])

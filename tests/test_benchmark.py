@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import SAMPLE, check_png, ok, run_cli
 
-from benchmarks import accuracy, instruments, ours_recipe, profile
+from benchmarks import accuracy, endtoend, instruments, ours_recipe, profile
 from utils import UserError, list_images
 
 TINY = ["--data-path", str(SAMPLE), "--img-size", "32"]
@@ -156,12 +156,55 @@ def test_end_to_end_times_a_whole_command(tmp_path):
                          "--out", str(out)]))
     assert "| `--workers 0 --device-augment` |" in result.stdout
     assert "| `--no-such-option` | no run succeeded |" in result.stdout  # and the other's numbers are kept
-    m, failed = json.loads(out.read_text())["measurements"]
+    data = json.loads(out.read_text())
+    seed, m, failed = data["measurements"]
     assert "unrecognized arguments: --no-such-option" in failed["error"]
+    # The seed recipe trained beside ours, as a command of its own: its final accuracy is the target.
+    assert seed["options"] == endtoend.SEED and seed["epochs"] == 2 and data["target_val_acc"] == seed["final_val_acc"]
+    assert f"target: the seed recipe's final validation accuracy, {seed['final_val_acc']:.4f}" in result.stdout
+    for run in (seed, m):
+        (t1, _), (t2, final) = run["curve"]
+        assert 0 < t1 < t2 < run["wall_seconds"] and final == run["final_val_acc"]
+        assert run["to_target_seconds"] == accuracy.first_reach(run["curve"], data["target_val_acc"])
+    assert seed["to_target_seconds"] is not None  # the seed recipe reaches its own final accuracy
     assert m["startup_lines"][0].startswith("device augment: 50 training images")  # 12 per class, 2 held out
     assert m["epochs"] == 2 and 0 < m["epochs_seconds"] < m["to_last_checkpoint_seconds"] < m["wall_seconds"]
     assert m["outside_epochs_seconds"] == pytest.approx(m["wall_seconds"] - m["epochs_seconds"], abs=0.02)
     assert 0 <= m["data_wait_share"] < 1
+
+
+def test_time_to_the_seed_recipes_accuracy_is_to_the_line_of_the_first_epoch_that_reaches_it():
+    def stamped(prefix, seconds):  # a command's stdout: its epoch lines, when they came out, among others
+        return [(0.5, "config: {...}")] + [(t, f"{prefix}epoch {e}/3: ...") for e, t in enumerate(seconds, 1)]
+
+    seed_records = [{"epoch": e, "epoch_seconds": 2.0, "eval_seconds": 1.0, "val_acc": a}
+                    for e, a in enumerate((0.2, 0.4, 0.5), 1)]
+    seed_curve = endtoend.epoch_curve(stamped("seed ", (8.0, 11.0, 14.0)), seed_records)
+    assert seed_curve == [[8.0, 0.2], [11.0, 0.4], [14.0, 0.5]]
+    # An --ema run is judged by the average, as the accuracy experiment judges it.
+    ours_records = [{"epoch": e, "epoch_seconds": 1.0, "eval_seconds": 0.5, "val_acc": 0.9, "ema_val_acc": a}
+                    for e, a in enumerate((0.3, 0.55, 0.7), 1)]
+    ours_curve = endtoend.epoch_curve(stamped("", (6.0, 7.5, 9.0)), ours_records)
+    assert ours_curve == [[6.0, 0.3], [7.5, 0.55], [9.0, 0.7]]
+    measurements = [
+        {"options": endtoend.SEED, "curve": seed_curve, "final_val_acc": 0.5},
+        {"options": "", "curve": ours_curve, "final_val_acc": 0.7},
+        {"options": "--slow", "curve": [[20.0, 0.1], [40.0, 0.45]], "final_val_acc": 0.45},
+        {"options": "--broken", "error": "RuntimeError: exit 2"},
+    ]
+    assert endtoend.mark_time_to_target(measurements) == 0.5  # the seed recipe's final accuracy
+    seed, ours, slow, broken = measurements
+    assert seed["to_target_seconds"] == 14.0  # its own last epoch
+    assert ours["to_target_seconds"] == 7.5  # epoch 2 reached 0.55 >= 0.5, from the command's start
+    assert slow["to_target_seconds"] is None and "to_target_seconds" not in broken
+    row = endtoend.summarise("--slow", [slow], 0.5)
+    assert row["runs_not_reaching_target"] == 1 and endtoend.to_target_cell(row) == "not reached"
+    assert endtoend.to_target_cell(endtoend.summarise("", [ours, {**ours, "to_target_seconds": None}], 0.5)) == \
+        "7.5 (not reached in 1 of 2)"
+    # Without the seed recipe (--no-seed-recipe) there is no target, and no run is marked.
+    alone = [{"options": "", "curve": ours_curve, "final_val_acc": 0.7}]
+    assert endtoend.mark_time_to_target(alone) is None and "to_target_seconds" not in alone[0]
+    assert endtoend.to_target_cell(endtoend.summarise("", alone, None)) == "–"
 
 
 @pytest.mark.slow
