@@ -114,9 +114,8 @@ def train(plan, ctx) -> None:
     checkpoint = read_resume_checkpoint(args, output_dir, ctx)
     # --trace-collectives: each rank's list kept, however the run ends.
     with collective_trace.kept(output_dir, ctx):
-        # all_gather: the unreadable files each rank found, so all split alike (resuming: two broadcasts,
-        # whether rank 0 sees the run's split.json, then its verdict and the split). --cache: a broadcast, an all_gather and
-        # 3 barriers; --device-augment: an all_gather and 2 all_reduces.
+        # all_gather: the unreadable files each rank found, so all split alike (resuming: two broadcasts instead,
+        # rank 0's view of split.json, then its verdict). --cache and --device-augment add theirs (the tour's table).
         data = build_datasets(plan, checkpoint, ctx)
         # Each rank draws its own 1/world_size of the training images, in a new order every epoch.
         train_sampler = DistributedSampler(data.train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
@@ -150,6 +149,7 @@ def train(plan, ctx) -> None:
         # step, peaks at --lr x global batch / 256: more processes, a larger global batch, a higher rate.
         optimizer, scaler, ema = build_optimizer(model_without_ddp, args, ctx.device)  # ema: --ema's average
         criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+        preemption.training = True  # from here a SIGTERM stops every rank after the same step, the position saved
         # --resume: every rank restores the same optimizer state; a stopped epoch goes on after its last step.
         progress = restore_training(checkpoint, optimizer, scaler, ema, train_loader, data.lost_files, args, ctx)
 
@@ -158,7 +158,6 @@ def train(plan, ctx) -> None:
                          ctx, began) if ctx.is_main else None
         # Rank 0's files: config.json and the split written as it is entered, each epoch's beside the training.
         with files or nullcontext():
-            preemption.training = True  # from here, a SIGTERM stops every rank after the same step
             for epoch in range(progress.epoch + 1, progress.last_epoch + 1):
                 if args.time_budget:
                     # broadcast, once epoch 1 has run: rank 0's count of the epochs that fit (the crops follow it).

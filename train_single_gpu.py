@@ -77,6 +77,7 @@ def train(plan, ctx) -> None:
     # The learning rate, set at every step, peaks at --lr x batch / 256.
     optimizer, scaler, ema = build_optimizer(model_without_ddp, args, ctx.device)  # ema: --ema's average
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    preemption.training = True  # from here a SIGTERM stops the run after its step, the position saved
     # --resume: the optimizer state restored; a stopped epoch goes on after its last step.
     progress = restore_training(checkpoint, optimizer, scaler, ema, train_loader, data.lost_files, args, ctx)
 
@@ -84,7 +85,6 @@ def train(plan, ctx) -> None:
     files = RunFiles(output_dir, plan, data.split, data.root, progress, model_without_ddp, optimizer, scaler, ema,
                      ctx, began)
     with files:  # config.json and the split written now, each epoch's files beside the training
-        preemption.training = True  # from here, a SIGTERM stops the run after the step it is in
         for epoch in range(progress.epoch + 1, progress.last_epoch + 1):
             if args.time_budget:
                 progress.fit_epochs_to_budget(args, train_loader, output_dir, ctx)  # once epoch 1 has run

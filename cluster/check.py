@@ -38,7 +38,6 @@ from cluster.check_rows import (
     Figures,
     Row,
     address_rows,
-    socket_rows,
     figure_rows,
     inventory_rows,
     local_rows,
@@ -136,7 +135,6 @@ def gather_facts(plan: Plan, rdzv: Ranks | None) -> Facts:
         master_resolves_to=resolve(master) if master else (),
         hosts_store=hosts_store(rdzv),
         port_problem=port_problem(rdzv, master, port) if master and port else None,
-        socket_problem=socket_interface_problem(backend) if rdzv else None,
     )
 
 
@@ -187,28 +185,6 @@ def port_unreachable(host: str, port: int, timeout_s: float = 1.0) -> str | None
         return f"the name does not resolve: {e.strerror}"
     except OSError as e:
         return e.strerror or type(e).__name__
-
-
-def socket_interface_problem(backend: str) -> str | None:
-    """Why GLOO_SOCKET_IFNAME (gloo) or NCCL_SOCKET_IFNAME (nccl) names no network interface of
-    this machine, or None. gloo takes exact names, comma-separated; NCCL takes prefixes, exact
-    names after `=`, and exclusions after `^` (not checked)."""
-    variable = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}.get(backend)
-    value = os.environ.get(variable or "", "")
-    if not value or value.startswith("^"):
-        return None
-    present = [name for _, name in socket.if_nameindex()]
-    wanted = [name for name in value.removeprefix("=").split(",") if name]
-    if backend == "gloo":
-        absent = [name for name in wanted if name not in present]
-    else:
-        exact = value.startswith("=")
-        absent = [] if any(p == w if exact else p.startswith(w) for w in wanted for p in present) else wanted
-    if not absent:
-        return None
-    return (f"{variable}={value} names no network interface of {socket.gethostname()} (it has "
-            f"{', '.join(present)}): set it to the interface on the network the other machines reach (`ip addr` "
-            "lists them), the same name on every machine, or unset it")
 
 
 def port_problem(rdzv: Ranks | None, host: str, port: int) -> str | None:
@@ -293,9 +269,9 @@ def check(plan: Plan, rdzv: Ranks | None) -> int:
     if rdzv is None:
         # The process a run would be: its device, its share of the cores.
         return report(alone + local_rows(facts) + figure_rows(step_figures(plan, setup_single(plan.args.device))))
-    if facts.port_problem or not facts.master_resolves_to or facts.socket_problem:  # no rendezvous can happen
+    if facts.port_problem or not facts.master_resolves_to:  # no rendezvous can happen
         give_up(rank, alone + local_rows(facts),
-                next(r for r in address_rows(facts) + socket_rows(facts) if r.result == FAIL))
+                next(r for r in address_rows(facts) if r.result == FAIL))
     if transport_log := nccl_log_file(facts.backend):
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P,NET", NCCL_DEBUG_FILE=transport_log)
     try:

@@ -52,19 +52,11 @@ class Facts:
     master_resolves_to: tuple[str, ...]
     hosts_store: bool  # this process listens at master:port for the others
     port_problem: str | None  # the store's host cannot listen on the port, or a process alone reach it
-    socket_problem: str | None = None  # *_SOCKET_IFNAME names no interface of this machine
 
 
 def local_rows(f: Facts) -> list[Row]:
     """The verdicts one process can give alone."""
-    return [*device_rows(f), *address_rows(f), *socket_rows(f), *memory_rows(f)]
-
-
-def socket_rows(f: Facts) -> list[Row]:
-    if not f.socket_problem:
-        return []
-    finding, _, fix = f.socket_problem.partition(": set it")
-    return [Row("socket interface", FAIL, finding, f"set it{fix}")]
+    return [*device_rows(f), *address_rows(f), *memory_rows(f)]
 
 
 def device_rows(f: Facts) -> list[Row]:
