@@ -64,7 +64,7 @@ from multi_train_utils.train_eval_utils import build_optimizer, place_model, tra
 from my_dataset import cache_short_side, default_workers
 from outputs.run_folder import prepare_output_dir
 from speed.image_cache import memory_available
-from utils import UserError, stderr_line
+from utils import ProjectError, stderr_line
 
 LOADER_PREFETCH = 2  # batches each loader worker keeps ready (DataLoader's prefetch_factor)
 T = TypeVar("T")
@@ -276,8 +276,8 @@ def check(plan: Plan, rdzv: Ranks | None) -> int:
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P,NET", NCCL_DEBUG_FILE=transport_log)
     try:
         ctx = init_distributed(rdzv, plan.args.device, plan.args.backend, timeout)  # the missing named at its end
-    except (UserError, RuntimeError) as e:  # torch's DistError is a RuntimeError
-        if rank != 0 and not isinstance(e, UserError):  # rank 0 gave up, and the store went with it
+    except (ProjectError, RuntimeError) as e:  # torch's DistError is a RuntimeError
+        if rank != 0 and not isinstance(e, ProjectError):  # rank 0 gave up, and the store went with it
             ended_by_rank_0(rank, "at the rendezvous")
         give_up(rank, alone + local_rows(facts), Row(
             "rendezvous", FAIL, str(e), "start the missing processes; the same command with --check on each "

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import Sampler
 
 from processes.helper_signals import ForkWithSigtermBlocked, sigterm_ignored_in_new_programs
-from utils import UserError, cores_per_process, stderr_line
+from utils import ProjectError, UserError, cores_per_process, stderr_line
 
 # Seconds the processes of a job started one by one (srun, or by hand) have to reach the store
 # before rank 0 names the missing: torch would wait --dist-timeout (30 minutes) and name no one.
@@ -223,7 +223,7 @@ def job_store(ranks: Ranks, timeout_s: float) -> dist.Store | None:
                               wait_for_workers=False)
     except dist.DistError as e:
         why = str(e).strip().splitlines()[-1]
-        raise UserError(f"rank {ranks.rank} on {socket.gethostname()}: no rendezvous at {host}:{port} within "
+        raise ProjectError(f"rank {ranks.rank} on {socket.gethostname()}: no rendezvous at {host}:{port} within "
                         f"{join.seconds} s ({why}): is rank 0 running there, and is the port free and open?") from None
     store.set(f"joined/{ranks.rank}", socket.gethostname())
     if ranks.rank == 0:
@@ -232,7 +232,7 @@ def job_store(ranks: Ranks, timeout_s: float) -> dist.Store | None:
         except dist.DistError:
             missing = [r for r in range(ranks.world_size) if not store.check([f"joined/{r}"])]
             names = ", ".join(f"rank {r}" for r in missing[:8]) + (" and more" if len(missing) > 8 else "")
-            raise UserError(f"{ranks.world_size - len(missing)} of {ranks.world_size} processes joined at "
+            raise ProjectError(f"{ranks.world_size - len(missing)} of {ranks.world_size} processes joined at "
                             f"{host}:{port} within {join.seconds} s; missing: {names}") from None
     store.set_timeout(datetime.timedelta(seconds=timeout_s))  # NCCL's start waits on it as long as a collective
     return store

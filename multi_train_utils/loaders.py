@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from my_dataset import (
     size_schedule,
     train_transforms,
 )
-from processes.helper_signals import die_with_parent, ignore_sigterm
+from processes.helper_signals import die_with_parent, leave_sigterm_to
 from recipe.recalibrate import BatchNormRecalibration, recalibration
 from speed.device_augment import DeviceAugmentedLoader, device_crops
 from speed.gpu_decode import DeviceBatches, validation_on_device
@@ -84,7 +85,7 @@ class RunData:
             batch_size=args.batch_size,
             num_workers=workers,
             persistent_workers=workers > 0,
-            worker_init_fn=start_worker,
+            worker_init_fn=functools.partial(start_worker, os.getpid()),
             pin_memory=ctx.device.type == "cuda",
             # A process started by mp.spawn would also spawn its loader workers, each re-importing
             # torch (seconds) and receiving a pickled copy of the dataset; forking, Linux's default
@@ -220,12 +221,12 @@ def readable_split(plan: Plan, ctx: DistContext) -> DataSplit:
     return split_samples(samples, plan.class_names, plan.args.val_rate, plan.args.seed)
 
 
-def start_worker(_worker_id: int) -> None:
-    """Set up a loader worker: it ends with its training process (sooner than PyTorch's
-    watchdog would notice), leaves a SIGTERM sent to the whole job to that process, and drops
-    no traceback about a handover cut short."""
+def start_worker(trainer: int, _worker_id: int) -> None:
+    """Set up a loader worker of the training process `trainer`: it ends with that process
+    (sooner than PyTorch's watchdog would notice), leaves a SIGTERM sent to the whole job to it
+    and ends on one from it, and drops no traceback about a handover cut short."""
     die_with_parent()
-    ignore_sigterm()
+    leave_sigterm_to(trainer)  # in place of torch's handler, set before this runs
     keep_inherited_objects()
     sys.excepthook = quiet_dropped_handover(sys.excepthook)
 

@@ -23,7 +23,7 @@ import torch
 
 from multi_train_utils.distributed_utils import keep_inherited_objects
 from plots import figure_class, save_curves, save_data_plots, save_report_plots
-from processes.helper_signals import die_with_parent, ignore_sigterm
+from processes.helper_signals import die_with_parent, leave_sigterm_to
 from utils import stderr_line
 
 # The plotter's two processes and what each draws on each order, from the files in the run
@@ -56,7 +56,7 @@ class Plotter:
         context = self.context
         for drawings in DRAWINGS:
             receive, send = context.Pipe(duplex=False)
-            process = context.Process(target=draw_on_order, args=(receive, self.run_dir, drawings),
+            process = context.Process(target=draw_on_order, args=(receive, self.run_dir, drawings, os.getpid()),
                                       name="plotter", daemon=True)
             process.start()
             receive.close()
@@ -111,13 +111,14 @@ class Plotter:
                         "every picture again")
 
 
-def draw_on_order(orders: Any, run_dir: Path, drawings: dict[str, tuple[Callable[[Path], Any], ...]]) -> None:
-    """A plotter process of a training process: draw what each order asks of it, until the run
-    says it is done."""
+def draw_on_order(orders: Any, run_dir: Path, drawings: dict[str, tuple[Callable[[Path], Any], ...]],
+                  trainer: int) -> None:
+    """A plotter process of the training process `trainer`: draw what each order asks of it,
+    until the run says it is done."""
     die_with_parent()
     keep_inherited_objects()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle; the run then ends this process
-    ignore_sigterm()  # so is a SIGTERM to the whole job
+    leave_sigterm_to(trainer)  # so is a SIGTERM to the whole job
     run_only_when_idle()
     torch.set_num_threads(1)  # as a loader worker does: the parent's thread pool did not survive the fork
     figure_class()  # import matplotlib now, while the run starts up

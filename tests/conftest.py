@@ -2,7 +2,7 @@
 it wrote, build odd image folders.
 
 Tests that start real processes (launchers, process groups, benchmarks) are marked `slow`;
-`python -m pytest tests -m "not slow"` runs the rest in about a minute."""
+`python -m pytest tests -m "not slow"` runs the rest."""
 from __future__ import annotations
 
 import argparse

@@ -46,21 +46,6 @@ def as_srun_rank(rank: int, world_size: int, port: int) -> dict[str, str]:
             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
 
 
-@pytest.mark.slow
-def test_a_run_waiting_for_a_rank_says_so_and_names_it(tmp_path):
-    """Rank 0 of 2 with no rank 1: the run says what it waits for while it waits, then stops
-    with the missing rank named (not silence until --dist-timeout)."""
-    cmd = [sys.executable, "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE),
-           "--output-dir", str(tmp_path), *FAST, "--dist-timeout", "6"]
-    started = time.monotonic()
-    result = run_cli(cmd, timeout=60, env=as_srun_rank(0, 2, find_free_port()))
-    assert result.returncode == 1, result.stderr
-    assert time.monotonic() - started < 30
-    assert "waiting: 1 of 2 processes joined at 127.0.0.1:" in result.stdout
-    assert "missing: rank 1" in result.stdout and "--check" in result.stdout
-    assert result.stderr.strip().splitlines()[-1].startswith("error: 1 of 2 processes joined"), result.stderr
-
-
 # ---- the check on real processes
 
 CHECK = [*FAST, "--check", "--check-timeout", "8"]
@@ -139,29 +124,13 @@ def test_two_torchrun_agents_pass_the_check_at_world_size_3(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rank_that_never_joins_is_named_within_the_timeout(tmp_path):
-    """Rank 0 of 2, started as srun would, with no rank 1: the waiting is shown, then rank 1 is
-    named and the check fails, within its timeout rather than --dist-timeout's 30 minutes."""
-    started = time.monotonic()
-    result = run_cli([sys.executable, "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE),
-                      "--output-dir", str(tmp_path), *FAST, "--check", "--check-timeout", "4"],
-                     timeout=60, env=as_srun_rank(0, 2, find_free_port()))
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert time.monotonic() - started < 25
-    assert "waiting: 1 of 2 processes joined" in result.stdout
-    rendezvous = check_table(result.stdout)["rendezvous"][0]
-    assert rendezvous.startswith("FAIL 1 of 2 processes joined") and "missing: rank 1" in rendezvous
-    assert "check: a job would not run (rendezvous)" in result.stdout
-
-
-@pytest.mark.slow
 def test_a_rank_that_cannot_reach_rank_0_says_so_itself():
     result = run_cli([sys.executable, "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE), *FAST,
                       "--check", "--check-timeout", "3"], timeout=60, env=as_srun_rank(1, 2, find_free_port()))
     assert result.returncode == 1, result.stdout + result.stderr
     assert "check " not in result.stdout  # the table is rank 0's
-    assert re.search(r"rank 1 on \S+: rendezvous: rank 1 on \S+ cannot reach the rendezvous at 127.0.0.1:\d+ "
-                     r"\(Connection refused\) after 3s", result.stderr), result.stderr
+    assert re.search(r"rank 1 on \S+: rendezvous: rank 1 on \S+: no rendezvous at 127.0.0.1:\d+ within 3 s",
+                     result.stderr), result.stderr
 
 
 @pytest.mark.slow

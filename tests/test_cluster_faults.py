@@ -6,7 +6,9 @@ tests/test_slurm.py's, tests/test_multinode.py's and tests/test_preemption.py's.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -129,20 +131,24 @@ def test_the_fork_server_outlives_a_sigterm_from_outside_while_it_starts():
 
 
 @pytest.mark.parametrize("distributed", [False, True])  # forked by the training process; by a fork server
-def test_a_loader_worker_outlives_a_sigterm_to_the_whole_job(distributed):
+def test_a_loader_worker_outlives_a_sigterm_from_outside_and_ends_on_its_trainers(distributed):
     """slurmstepd and `kill -TERM -PGID` signal the workers too: they must go on serving the
-    training process, which stops at a step and saves; they end when it does."""
+    training process, which stops at a step and saves. A SIGTERM from the training process
+    itself (multiprocessing ends its children so as the process exits, then waits for them)
+    still ends one."""
     ctx = DistContext(0, 0, 2, 2, torch.device("cpu"), distributed=True) if distributed else DistContext.single()
-    loader = torch.utils.data.DataLoader(Slow(), batch_size=2, num_workers=1, worker_init_fn=start_worker,
+    loader = torch.utils.data.DataLoader(Slow(), batch_size=2, num_workers=1,
+                                         worker_init_fn=functools.partial(start_worker, os.getpid()),
                                          multiprocessing_context=prepare_helper_start(ctx))
     batches = iter(loader)
     next(batches)
     worker = batches._workers[0]
-    subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)
+    subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)  # from another process
     time.sleep(1)
     for _ in range(5):
         next(batches)
     assert worker.is_alive()
-    del batches  # the loader's own shutdown still ends it
+    os.kill(worker.pid, signal.SIGTERM)  # from this one, the worker's training process
     worker.join(timeout=10)
-    assert not worker.is_alive()
+    assert worker.exitcode == 0
+    del batches

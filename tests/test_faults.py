@@ -142,9 +142,8 @@ def test_spawn_child_killed_brings_the_job_down(tmp_path):
 
 @pytest.mark.slow
 def test_spawn_child_exception_is_shown_and_the_job_ends(tmp_path):
-    """An image is corrupted after start-up: the rank that reads it raises and says so, the
-    other ranks wait in a collective and name that rank's error as the cause, and the launcher
-    takes them all down."""
+    """An image is corrupted after start-up: the rank that reads it raises and says so, with
+    its traceback, and the launcher takes the others down (mp.spawn's join)."""
     data = copy_sample(tmp_path / "data")
     proc, marker = start_job("spawn", tmp_path / "run", "--epochs", "50", data=data)
     wait_for_epochs(proc, tmp_path / "run", 1)
@@ -154,10 +153,7 @@ def test_spawn_child_exception_is_shown_and_the_job_ends(tmp_path):
     assert proc.returncode != 0 and seconds < STOP_WITHIN
     failing = re.search(r"^rank (\d): RuntimeError: cannot decode", err, re.MULTILINE)
     assert failing, err[-3000:]
-    other = 1 - int(failing.group(1))
-    assert re.search(rf"^error: rank {other} on .*rank {failing.group(1)} on \S+ failed with RuntimeError: cannot decode",
-                     err, re.MULTILINE), err[-3000:]
-    assert "no process of the job has ended" not in err, err[-3000:]
+    assert "Traceback" in err and "roses" in err, err[-3000:]  # which file, and where it was read
 
 
 @pytest.mark.slow
@@ -247,7 +243,7 @@ import os, socket, sys, time
 from multiprocessing import resource_sharer
 if sys.argv[1] == "worker":
     from multi_train_utils.loaders import start_worker
-    start_worker(0)
+    start_worker(os.getppid(), 0)
 read_end, _ = os.pipe()
 resource_sharer.DupFd(read_end)  # what torch's reduction does for a shared-memory batch
 s = socket.socket(socket.AF_UNIX)
