@@ -17,6 +17,7 @@ import pytest
 from conftest import (FAST, SAMPLE, SMALL_MODEL, child_pids, kill_group, launcher_cmd, metrics, run_cli, start)
 
 from cluster import check
+from multi_train_utils.checkpoint import load_checkpoint, save_atomic
 from multi_train_utils.distributed_utils import find_free_port
 from outputs.plotter import Plotter
 
@@ -121,6 +122,28 @@ def test_a_rank_missing_at_the_start_is_named_and_a_check_says_so_on_every_rank(
     no_traceback(out0, err0, out1, err1)
     assert "check: a job would not run (rendezvous)" in out0 and "missing: rank 2" in out0
     assert "rank 0 ended the check at the rendezvous" in err1
+
+
+@pytest.mark.slow
+def test_ranks_that_read_different_checkpoints_stop_before_they_train(tmp_path):
+    """A shared file system that has not caught up shows one rank an older last.pth (given here
+    as another --resume file to rank 1): the ranks compare the positions they read and stop,
+    naming both, instead of hanging or training apart."""
+    first = tmp_path / "run"
+    procs = start_ranks(first, [0, 1], 2, *SMALL_MODEL, "--epochs", "2")
+    assert [code for code, _, _ in finish(procs, timeout=180)] == [0, 0]
+    older = tmp_path / "older.pth"
+    port = find_free_port()
+    cmd = [sys.executable, "train_multi_gpu_using_launch.py", "--output-dir", str(tmp_path / "resumed"), *TRAIN,
+           *SMALL_MODEL, "--epochs", "3"]
+    checkpoint = load_checkpoint(first / "last.pth")
+    save_atomic({**checkpoint, "epoch": checkpoint["epoch"] - 1}, older)  # as the epoch before left it
+    procs = [start([*cmd, "--resume", str(path)], env=env_ranks(rank, 2, port))
+             for rank, path in ((0, first / "last.pth"), (1, older))]
+    results = finish(procs, timeout=120)
+    for code, _, err in results:
+        assert code == 2 and "the ranks read different checkpoints" in err, err[-3000:]
+        assert "rank 0: epoch 2 step 0, rank 1: epoch 1 step 0" in err, err[-3000:]
 
 
 @pytest.mark.slow

@@ -96,3 +96,14 @@ def test_cuda_graph_on_is_refused_without_a_gpu_and_beside_what_it_cannot_run_wi
 def test_auto_graphs_the_step_on_a_gpu_where_the_options_allow(choice, device, extra, graphed):
     args: argparse.Namespace = args_for("--cuda-graph", choice, *extra)
     assert cuda_graph.wanted(args, torch.device(device)) is graphed
+
+
+@pytest.mark.parametrize("choice, world_size, graphed", [("auto", 1, True), ("auto", 2, False), ("on", 2, True)])
+def test_a_job_of_several_gpus_steps_eagerly_unless_asked(choice, world_size, graphed, monkeypatch):
+    """The graphed step under DDP has not run on two GPUs: a process group of several steps
+    eagerly by default, one of one process graphs as one process does, and --cuda-graph on is
+    obeyed (the group's size is what the rule reads; the GPUs themselves are test_gpu.py's)."""
+    monkeypatch.setattr(cuda_graph.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(cuda_graph.dist, "get_world_size", lambda: world_size)
+    args: argparse.Namespace = args_for("--cuda-graph", choice)
+    assert cuda_graph.wanted(args, torch.device("cuda")) is graphed
