@@ -222,9 +222,9 @@ def job_store(ranks: Ranks, timeout_s: float) -> dist.Store | None:
         store = dist.TCPStore(host, port, ranks.world_size, is_master=ranks.rank == 0, timeout=join,
                               wait_for_workers=False)
     except dist.DistError as e:
-        why = str(e).strip().splitlines()[-1]
+        why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         raise ProjectError(f"rank {ranks.rank} on {socket.gethostname()}: no rendezvous at {host}:{port} within "
-                        f"{join.seconds} s ({why}): is rank 0 running there, and is the port free and open?") from None
+                           f"{join.seconds} s ({why}): is rank 0 running there, and is the port free and open?") from None
     store.set(f"joined/{ranks.rank}", socket.gethostname())
     if ranks.rank == 0:
         try:
@@ -233,7 +233,7 @@ def job_store(ranks: Ranks, timeout_s: float) -> dist.Store | None:
             missing = [r for r in range(ranks.world_size) if not store.check([f"joined/{r}"])]
             names = ", ".join(f"rank {r}" for r in missing[:8]) + (" and more" if len(missing) > 8 else "")
             raise ProjectError(f"{ranks.world_size - len(missing)} of {ranks.world_size} processes joined at "
-                            f"{host}:{port} within {join.seconds} s; missing: {names}") from None
+                               f"{host}:{port} within {join.seconds} s; missing: {names}") from None
     store.set_timeout(datetime.timedelta(seconds=timeout_s))  # NCCL's start waits on it as long as a collective
     return store
 
