@@ -128,9 +128,7 @@ def cpu_count() -> int:
 
 
 def cores_per_process(processes_per_machine: int) -> int:
-    """This process's share of the CPU cores. A process bound to fewer cores than the machine
-    has (srun's --cpus-per-task binding, taskset) was given its share already; otherwise the
-    processes of this machine share the cores it may use."""
+    """This process's CPUs: all it may use if bound (srun's --cpus-per-task, taskset), else its share."""
     usable = cpu_count()
     if usable < (os.cpu_count() or usable):
         return usable
@@ -376,9 +374,8 @@ def load_recorded_split(path: Path) -> RecordedSplit:
         obj = json.loads(Path(path).read_text())
         return RecordedSplit(_split_of(obj), obj.get("data_path"), obj.get("stamps"))
     except (ValueError, KeyError, TypeError) as e:  # written by a version of this project without atomic writes
-        raise UserError(f"{path} is damaged ({type(e).__name__}: {e}): delete it, and the resumed run lists and "
-                        "splits --data-path again (the same split while no file was added or removed), or start "
-                        "the run again in a new --output-dir") from None
+        raise UserError(f"{path} is damaged ({type(e).__name__}: {e}): delete it to list and split --data-path "
+                        "again, or start the run anew in another --output-dir") from None
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -386,8 +383,7 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """`path` holds either its old text or `text`, never part of it, whenever the process is
-    killed: written beside it, then renamed over it."""
+    """Written beside `path`, then renamed over it: a kill leaves the old text or the new."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
         f.write(text)

@@ -29,9 +29,8 @@ from torch.utils.data import Sampler
 from processes.helper_signals import ForkWithSigtermBlocked, sigterm_ignored_in_new_programs
 from utils import ProjectError, UserError, cores_per_process, stderr_line
 
-# Seconds the processes of a job started one by one (srun, or by hand) have to reach the store
-# before rank 0 names the missing: torch would wait --dist-timeout (30 minutes) and name no one.
-# torchrun's agents wait for their peers themselves (--rdzv-conf join_timeout).
+# Seconds a job started one process at a time (srun, by hand) has to meet before rank 0 names
+# the missing (torchrun's agents wait themselves: --rdzv-conf join_timeout).
 JOIN_SECONDS = 60
 # Seconds the other processes of a job get to exit by themselves once one has failed, before
 # SIGTERM, and again before SIGKILL (mp.spawn's own default waits 30 s at each stage).
@@ -179,8 +178,8 @@ def _launcher_environ() -> dict[str, str] | None:
 
 
 def process_context(ranks: Ranks | None, device_spec: str | None) -> DistContext:
-    """This process's place in its job before the process group forms: its device (on CUDA, its
-    local rank's GPU, made current) and its share of the CPU cores. `ranks` None: one process."""
+    """This process's device (on CUDA its local rank's GPU, made current) and share of the CPU
+    cores, before any process group; `ranks` None: one process."""
     job = ranks or Ranks(0, 0, 1, 1)
     device = resolve_device(device_spec, job.local_rank, job.local_world_size, distributed=ranks is not None)
     if device.type == "cuda":
@@ -196,16 +195,11 @@ def backend_for(ctx: DistContext, choice: str | None) -> str:
 
 
 def job_store(ranks: Ranks, timeout_s: float) -> dist.Store | None:
-    """The store `dist.init_process_group` meets at, where torch's own env:// falls short; None
-    where it does not.
-
-    - Under torchrun, its agent hosts one store for every attempt of the job and clears no key
-      when it restarts the workers: an attempt must not read the last one's keys (gloo's
-      addresses: pytorch/pytorch#135712), so each attempt takes a prefix of its own.
-    - A job started one process at a time (srun, the spawn launcher, or by hand): rank 0 hosts
-      the store at MASTER_ADDR:MASTER_PORT, and names the ranks still missing after
-      JOIN_SECONDS. Each process that cannot reach the store says so after as long: torch's
-      own rendezvous would wait --dist-timeout, and name no one."""
+    """The store `dist.init_process_group` meets at where torch's env:// falls short; else None.
+    Under torchrun each attempt takes a prefix of its own in the agent's store, which keeps the
+    last attempt's keys (gloo's addresses: pytorch/pytorch#135712). A job started one process at
+    a time (srun, the spawn launcher, by hand) meets at rank 0's store, and the missing ranks are
+    named after JOIN_SECONDS (torch's env:// would wait --dist-timeout and name no one)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             return None  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 hosts a new store each attempt
@@ -240,8 +234,7 @@ def job_store(ranks: Ranks, timeout_s: float) -> dist.Store | None:
 
 def init_distributed(ranks: Ranks | None, device_spec: str | None, backend: str | None = None,
                      timeout_s: float = 1800) -> DistContext:
-    """process_context and, in a job, `dist.init_process_group`: what the launchers write out,
-    in one call, for the benchmarks, --check and the tests."""
+    """process_context and, in a job, `dist.init_process_group`, as the launchers write them out."""
     ctx = process_context(ranks, device_spec)
     if ctx.distributed:
         dist.init_process_group(backend_for(ctx, backend), store=job_store(ranks, timeout_s), rank=ctx.rank,
@@ -281,9 +274,8 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 
 def meeting_point(args: Any) -> None:
-    """Where the spawn launcher's processes meet, exported for them to inherit: --dist-url
-    tcp://HOST:PORT, else MASTER_ADDR and MASTER_PORT, else a free port on 127.0.0.1. On
-    loopback, gloo is kept there too (GLOO_SOCKET_IFNAME): nothing listens beyond the machine."""
+    """Where the spawn launcher's processes meet, exported for them: --dist-url, else MASTER_ADDR
+    and MASTER_PORT, else a free port on 127.0.0.1; on loopback, gloo stays there too."""
     host, port = parse_dist_url(args.dist_url) or (os.environ.get("MASTER_ADDR", "127.0.0.1"),
                                                     int(os.environ.get("MASTER_PORT", "0")))
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port or find_free_port(host)))
@@ -340,11 +332,10 @@ def keep_inherited_objects() -> None:
 
 
 def join_processes(context: Any, sigterm_came: Any) -> int:
-    """Wait for the processes of an mp.spawn `context`, and the job's exit code. Once one has
-    failed, torch's ProcessContext.join gives the others STOP_GRACE_SECONDS to end, then sends
-    SIGTERM, waits as long again, then SIGKILL. Ctrl-C ends them all (130). Once
-    `sigterm_came` is set, SIGTERM is passed on to the processes at each second: one that was
-    still starting when the first came had no handler yet (it ignores SIGTERM until then)."""
+    """Wait for the processes of an mp.spawn `context`; the job's exit code. Once one has failed,
+    torch's join gives the others STOP_GRACE_SECONDS, then SIGTERM, as long again, then SIGKILL;
+    Ctrl-C ends them all (130). Once `sigterm_came` is set, SIGTERM is passed on each second: a
+    process still starting at the first had no handler yet (it ignores SIGTERM until then)."""
     # The others' time to end by themselves once one has failed; torch 2.5's join has no grace
     # period and sends them SIGTERM at once (then SIGKILL 30 s later).
     grace = {"grace_period": STOP_GRACE_SECONDS} if "grace_period" in inspect.signature(context.join).parameters else {}
