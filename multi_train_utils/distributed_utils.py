@@ -12,6 +12,7 @@ import gc
 import inspect
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import socket
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import Sampler
 
-from processes.helper_signals import ForkWithSigtermBlocked, sigterm_ignored_in_new_programs
+from processes.helper_signals import ForkWithSigtermBlocked, sigterm_blocked
 from utils import ProjectError, UserError, cores_per_process, stderr_line
 
 # Seconds a job started one process at a time (srun, by hand) has to meet before rank 0 names
@@ -299,26 +300,25 @@ def stop(processes: list, grace_seconds: float = STOP_GRACE_SECONDS) -> None:
 
 
 def prepare_helper_start(ctx: DistContext) -> multiprocessing.context.BaseContext:
-    """How this process starts its helpers (loader workers, plotters), the fork server started
-    now where one is needed (its imports then go on beside this process). Forking shares the
-    parent's memory and imports; but in a process group gloo's (or NCCL's) threads, and on CUDA
-    autograd's, create Python thread states now and then, to drop a tensor's Python object, and
-    a fork that catches one of them holding CPython's runtime lock leaves a child that waits for
-    it forever, before it runs a line: CPython before 3.11.10 (and 3.12.0), python/cpython#112275.
-    Its training process then waits for batches that never come. There the helpers are forked
-    from a fork server instead, a process without threads that imports torch once. Elsewhere
-    they are forked with SIGTERM blocked (helper_signals.py says why)."""
+    """How this process starts its helpers (loader workers, plotters). Forking shares the parent's
+    memory and imports; but in a process group gloo's (or NCCL's) threads, and on CUDA autograd's,
+    create Python thread states now and then, and a fork that catches one holding CPython's
+    runtime lock leaves a child that waits for it forever, and the training process for batches
+    that never come: CPython before 3.11.10 (and 3.12.0), python/cpython#112275. There the helpers
+    are forked from a fork server, a process without threads that imports torch once. Elsewhere
+    they are forked with SIGTERM blocked (helper_signals.py)."""
     fixed = sys.version_info >= (3, 12, 1) or (3, 11, 10) <= sys.version_info < (3, 12)
     if fixed or not (ctx.distributed or ctx.device.type == "cuda"):
         return ForkWithSigtermBlocked()
     server = multiprocessing.get_context("forkserver")
     server.set_forkserver_preload(["processes.fork_server_start", "torch", "torchvision", "my_dataset",
                                    "multi_train_utils.loaders", "plots"])
-    # Now: it imports those while this process goes on. Ignoring SIGTERM from its start, not
-    # only from fork_server_start on (seconds of imports later): a SIGTERM meant for the job
-    # (SLURM's warning, a preemption) would kill it meanwhile, and the first loader waiting
-    # for a worker from it would fail the run instead of saving its position.
-    with sigterm_ignored_in_new_programs():
+    # Started now, its imports beside this process. A SIGTERM for the job (SLURM's warning) must
+    # not kill it before fork_server_start ignores it: it starts with the signal blocked (exec
+    # keeps the mask), blocked in this thread alone, so that this process's other threads (gloo's,
+    # NCCL's) still take one. The resource tracker first: its start unblocks SIGTERM.
+    multiprocessing.resource_tracker.ensure_running()
+    with sigterm_blocked():
         multiprocessing.forkserver.ensure_running()
     return server
 

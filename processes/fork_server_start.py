@@ -6,9 +6,9 @@ and its workers running for ever: each worker holds the server's liveness pipe o
 torch's watchdog in a worker watches the worker's parent, which is the server.
 
 A SIGTERM sent to the whole job (SLURM, `kill -TERM -PGID`) is the training process's to act
-on: the server ignores it, or the next loader worker it should fork would fail the run. It
-ignores it from its start (prepare_helper_start starts it so), and ignore_sigterm keeps it so for
-the server's children."""
+on: the server ignores it, or the next loader worker it should fork would fail the run. It starts
+with SIGTERM blocked (prepare_helper_start), and ignore_sigterm drops one that came meanwhile and
+keeps it so for the server's children."""
 from processes.helper_signals import die_with_parent, ignore_sigterm
 
 die_with_parent()

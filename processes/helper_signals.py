@@ -19,7 +19,8 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def sigterm_blocked() -> Iterator[None]:
-    """SIGTERM blocked in this thread meanwhile, and from the start in a process it forks."""
+    """SIGTERM blocked in this thread meanwhile, and from the start in a process it starts (a
+    fork, and an exec, keep the mask)."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         yield
@@ -29,11 +30,10 @@ def sigterm_blocked() -> Iterator[None]:
 
 @contextlib.contextmanager
 def sigterm_ignored_in_new_programs() -> Iterator[None]:
-    """Meanwhile, a program that this process starts (a fork and an exec: the fork server)
-    ignores SIGTERM from its first instruction: an ignored signal stays ignored across exec,
-    where a blocked mask does not (subprocess's fork_exec clears it). This process keeps its
-    own: a SIGTERM that comes meanwhile waits, blocked (Linux keeps a blocked signal pending even
-    while it is ignored), and reaches the handler after. From the main thread only."""
+    """Meanwhile, a program this process starts (the spawn launcher's processes) ignores SIGTERM
+    until it sets its own handler: an ignored signal stays ignored across exec. This process
+    ignores it meanwhile too, and a SIGTERM to it is lost: the block below holds only until
+    multiprocessing starts its resource tracker, and a thread of torch's does not block it."""
     with sigterm_blocked():
         handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:

@@ -106,28 +106,35 @@ class Slow(torch.utils.data.Dataset):
 
 
 FORK_SERVER_SIGTERM = """
-import subprocess, sys, threading, multiprocessing.forkserver, torch
-from multi_train_utils.distributed_utils import DistContext, prepare_helper_start
-context = prepare_helper_start(DistContext(0, 0, 2, 2, torch.device("cpu"), distributed=True))
+import os, signal, multiprocessing.forkserver, torch, torch.distributed as dist
+from multi_train_utils.distributed_utils import DistContext, find_free_port, prepare_helper_start
+came = []
+signal.signal(signal.SIGTERM, lambda signum, frame: came.append(signum))  # as a launcher's handler
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
+dist.init_process_group("gloo", rank=0, world_size=1)  # gloo's threads: any thread may take a signal
+start = multiprocessing.forkserver.ensure_running
+def start_then_sigterm():  # SLURM's warning to every process of the job, the server just started
+    start()
+    os.killpg(0, signal.SIGTERM)
+multiprocessing.forkserver.ensure_running = start_then_sigterm
+context = prepare_helper_start(DistContext(0, 0, 1, 1, torch.device("cpu"), distributed=True))
 server = multiprocessing.forkserver._forkserver._forkserver_pid
-# SLURM's warning, as slurmstepd sends it (from outside), while the server still imports torch
-# and this process already waits for its first worker.
-threading.Timer(0.5, subprocess.run, (["kill", "-TERM", str(server)],)).start()
 loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4, num_workers=1, multiprocessing_context=context)
-print("batches", len(list(loader)), "server", server == multiprocessing.forkserver._forkserver._forkserver_pid)
+print("sigterm", came, "batches", len(list(loader)), "server", server == multiprocessing.forkserver._forkserver._forkserver_pid)
 """
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 12, 1) or (3, 11, 10) <= sys.version_info < (3, 12),
                     reason="this CPython forks loader workers without a fork server (prepare_helper_start)")
-def test_the_fork_server_outlives_a_sigterm_from_outside_while_it_starts():
-    """Found under SLURM: the time limit's warning came while the fork server, started at
-    set-up, still imported torch, before it could leave SIGTERM alone; it died, and the run
-    failed on its first loader ("EOFError: unexpected EOF") instead of saving its position.
-    The server is started with SIGTERM blocked, as the exec keeps it."""
+def test_a_sigterm_as_the_fork_server_starts_reaches_the_training_process_and_spares_the_server():
+    """The default options start loader workers from a fork server in a process group on this
+    CPython. A SIGTERM to the whole job as the server starts: the server, still before its first
+    line, must outlive it (found under SLURM: it died, and the run failed on its first loader,
+    "EOFError: unexpected EOF"), and the training process must act on it (it was lost when the
+    process ignored SIGTERM meanwhile, and one of gloo's threads took it)."""
     result = subprocess.run([sys.executable, "-c", FORK_SERVER_SIGTERM], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0 and "batches 2 server True" in result.stdout, result.stderr[-3000:]
+                            text=True, timeout=120, start_new_session=True)
+    assert result.returncode == 0 and "sigterm [15] batches 2 server True" in result.stdout, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("distributed", [False, True])  # forked by the training process; by a fork server
