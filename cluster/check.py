@@ -1,13 +1,8 @@
-"""`--check`: the user's own command line diagnoses the setup instead of training.
-
-Stages, each under --check-timeout so that a hang becomes a verdict: what each process finds
-alone (device, rendezvous address, shared memory, data, output folder), the rendezvous, the
-inventory gathered to rank 0, a checked all-reduce, and the figures (bus bandwidth, one timed
-training step, the share of a step gradient communication can cost). Rank 0 prints one table;
-the exit code says whether a job would run (0) or not (1).
-
-The verdicts and the table are check_rows.py's.
-"""
+"""`--check`: the user's own command line diagnoses the setup instead of training. Stages, each
+under --check-timeout so that a hang becomes a verdict: what each process finds alone, the
+rendezvous, the inventory gathered to rank 0, a checked all-reduce, and the figures. Rank 0
+prints one table (check_rows.py's verdicts); the exit code says whether a job would run (0) or
+not (1)."""
 from __future__ import annotations
 
 import argparse
@@ -75,11 +70,10 @@ class StageTimeout(Exception):
 
 
 def bounded(stage: str, timeout_s: float, fn: Callable[[], T], device: torch.device | None = None) -> T:
-    """fn() in a thread, given `timeout_s`: a hang becomes StageTimeout, not a wait. The thread
-    is left behind (a stuck socket or collective cannot be cancelled); the check then exits.
-    A new thread's current GPU is cuda:0 whatever the process chose: with `device`, the thread
-    takes the rank's GPU first, where a process group made for it wants its tensors (NCCL
-    refuses an object collective's tensor on another GPU, pytorch/pytorch#115861)."""
+    """fn() in a thread, given `timeout_s`: a hang becomes StageTimeout, and the thread is left
+    behind (a stuck socket or collective cannot be cancelled). A new thread's GPU is cuda:0: it
+    takes the rank's `device` first (NCCL refuses an object collective's tensor on another GPU,
+    pytorch/pytorch#115861)."""
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -139,13 +133,12 @@ def gather_facts(plan: Plan, rdzv: Ranks | None) -> Facts:
 
 
 def versions() -> dict[str, str]:
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() and dist.is_nccl_available() else "-"
-    driver = "-"
-    if torch.cuda.is_available():
-        try:
-            driver = Path("/proc/driver/nvidia/version").read_text().split("Kernel Module")[1].split()[0]
-        except (OSError, IndexError):
-            driver = "unknown"
+    cuda = torch.cuda.is_available()
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda and dist.is_nccl_available() else "-"
+    try:
+        driver = Path("/proc/driver/nvidia/version").read_text().split("Kernel Module")[1].split()[0] if cuda else "-"
+    except (OSError, IndexError):
+        driver = "unknown"
     return {"torch": torch.__version__, "CUDA": torch.version.cuda or "-", "NCCL": nccl, "driver": driver}
 
 
@@ -176,32 +169,20 @@ def hosts_store(rdzv: Ranks | None) -> bool:
     return rdzv is not None and rdzv.rank == 0 and "TORCHELASTIC_RUN_ID" not in os.environ
 
 
-def port_unreachable(host: str, port: int, timeout_s: float = 1.0) -> str | None:
-    """Why a TCP connection to host:port fails (refused, timed out, no such host), or None."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return None
-    except socket.gaierror as e:
-        return f"the name does not resolve: {e.strerror}"
-    except OSError as e:
-        return e.strerror or type(e).__name__
-
-
 def port_problem(rdzv: Ranks | None, host: str, port: int) -> str | None:
     """Whether this process can do its part at host:port now. The store's host must be able to
     listen there. A process alone (run on a node to test the way to the first) must reach it;
-    in a job, reaching it is the rendezvous stage's, which waits for the first node to start."""
-    if rdzv is None:
-        problem = port_unreachable(host, port)
-        return f"cannot reach {host}:{port}: {problem}" if problem else None
-    if hosts_store(rdzv):
-        try:
-            with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
-                return None
-        except OSError as e:
-            return f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}"
+    in a job, reaching it is the rendezvous stage's, which waits for the first node to start.
+    (A name that does not resolve is address_rows' to name.)"""
+    try:
+        if rdzv is None:
+            socket.create_connection((host, port), timeout=1.0).close()
+        elif hosts_store(rdzv):
+            socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else e  # create_server's own words add the address again
+        return f"cannot {'reach' if rdzv is None else 'listen on'} {host}:{port}: {why}"
     return None
-
 
 
 def time_all_reduce(nbytes: int, ctx: DistContext, budget_s: float = 1.0) -> float:
@@ -316,14 +297,9 @@ def give_up(rank: int, rows: list[Row], reason: Row) -> NoReturn:
     os._exit(1)
 
 
-def ended_by_rank_0(rank: int, when: str, why: str = "") -> NoReturn:
-    """A rank other than 0, whose check rank 0 ended: one line with rank 0's word why, where it
-    has one (rank 0's output may be on another machine), and where its table is."""
-    said = f": {why}" if why else "; its table, in rank 0's output, says why"
-    stderr_line(f"rank {rank} on {socket.gethostname()}: rank 0 ended the check {when}{said}")
-    sys.stdout.flush()
-    remove_left_behind()
-    os._exit(1)
+def ended_by_rank_0(rank: int, when: str) -> NoReturn:
+    """A rank other than 0, whose check rank 0 ended (rank 0's output may be on another machine)."""
+    give_up(rank, [], Row(f"rank 0 ended the check {when}", FAIL, "its table, in rank 0's output, says why"))
 
 
 def output_row(plan: Plan) -> Row:
@@ -370,27 +346,20 @@ def remove_left_behind() -> None:
 def collective_rows(ctx: DistContext, facts: Facts, timeout: float, transport_log: str | None) -> tuple[list[Row], bool]:
     """A checked all-reduce; on NCCL, what P2P did and the transports chosen. And whether it
     hung, the reason then being the last row."""
-    started = time.perf_counter()
+    started, p2p_disabled = time.perf_counter(), os.environ.get("NCCL_P2P_DISABLE") == "1"
     try:
         total = bounded("the all-reduce", timeout, lambda: checked_sum(ctx), ctx.device)
     except StageTimeout as e:
-        hung = p2p_row(os.environ.get("NCCL_P2P_DISABLE") == "1", "hung") if facts.backend == "nccl" else None
+        hung = p2p_row(p2p_disabled, "hung") if facts.backend == "nccl" else None
         return [hung or Row("all-reduce", FAIL, str(e), "a peer or a link stopped answering: see each rank's "
                             "line; NCCL_DEBUG=INFO shows where NCCL waits")], True
     rows = [sum_row(total, ctx.world_size, facts.backend, time.perf_counter() - started)]
     if facts.backend == "nccl":
-        p2p = p2p_row(os.environ.get("NCCL_P2P_DISABLE") == "1", "ok")
+        p2p = p2p_row(p2p_disabled, "ok")
         rows += [p2p] if p2p else []
-        if transport_log and (found := nccl_transports(read_text(transport_log))):
+        if transport_log and (found := nccl_transports(Path(transport_log).read_text(errors="replace"))):
             rows.append(Row("NCCL transport", OK, ", ".join(found)))
     return rows, False
-
-
-def read_text(path: str) -> str:
-    try:
-        return Path(path).read_text(errors="replace")
-    except OSError:
-        return ""
 
 
 def checked_sum(ctx: DistContext) -> float:

@@ -10,13 +10,8 @@ import re
 
 from speed.image_cache import cache_problem
 
-
 OK, WARN, FAIL = "ok", "warn", "FAIL"
-
-
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
-
-
 COMM_SHARE_GOAL = 0.10
 
 
@@ -77,10 +72,6 @@ def device_rows(f: Facts) -> list[Row]:
     return rows
 
 
-def is_loopback(address: str) -> bool:
-    return ipaddress.ip_address(address.split("%")[0]).is_loopback
-
-
 def address_rows(f: Facts) -> list[Row]:
     if not f.master:
         return []
@@ -89,7 +80,7 @@ def address_rows(f: Facts) -> list[Row]:
                     "set MASTER_ADDR (--master-addr, --rdzv-endpoint) to the first node's IP address, or a "
                     "name every node resolves")]
     rows = []
-    if f.nodes > 1 and all(is_loopback(a) for a in f.master_resolves_to):
+    if f.nodes > 1 and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in f.master_resolves_to):
         rows.append(Row("master address", FAIL,
                         f"{f.master} resolves to {', '.join(f.master_resolves_to)} (loopback) on {f.host}, "
                         f"but the job has {f.nodes} nodes: the others cannot meet there",
@@ -282,9 +273,8 @@ def figure_rows(f: Figures) -> list[Row]:
 
 
 def scaling_row(f: Figures) -> Row:
-    """The step under DDP against the same step without it, each timed on every rank at once
-    (so on processes that share CPUs, each beside the others, as in the job): what the
-    processes make together against what one of them makes without the all-reduce."""
+    """What the processes make together under DDP against what one makes without the all-reduce,
+    each step timed on every rank at once (processes that share CPUs each beside the others)."""
     alone, together = f.batch / f.step_seconds, f.world_size * f.batch / f.ddp_step_seconds
     return Row("scaling", OK, f"a step under DDP {f.ddp_step_seconds * 1000:.0f} ms against {f.step_seconds * 1000:.0f} ms "
                f"without it: {f.world_size} processes {together:.0f} img/s in all, {together / alone:.2f}x one process's "
