@@ -86,7 +86,9 @@ def assert_healthy(stdout: str, world_size: int) -> dict[str, list[str]]:
         table["scaling"][0]).groups()
     assert int(together) == pytest.approx(world_size * 8 * 1000 / int(under_ddp), abs=1)
     assert int(one) == pytest.approx(8 * 1000 / int(alone), abs=1)
-    assert float(ratio) == pytest.approx(int(together) / int(one), abs=0.1)
+    # The ratio of the unrounded figures: slow steps (a loaded machine) make the rounding count.
+    t, o = int(together), int(one)
+    assert (t - 0.5) / (o + 0.5) - 0.005 <= float(ratio) <= (t + 0.5) / (o - 0.5) + 0.005
     return table
 
 
