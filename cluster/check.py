@@ -104,23 +104,20 @@ def gather_facts(plan: Plan, rdzv: Ranks | None) -> Facts:
     world = rdzv.world_size if rdzv else 1
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     index = device.index if device.index is not None else (rdzv.local_rank if rdzv else 0)
-    gpu = str(torch.cuda.get_device_properties(index).uuid) if device.type == "cuda" and index < gpus else ""
-    backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
     master, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", 0))
-    shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
     return Facts(
         rank=rdzv.rank if rdzv else 0,
         host=socket.gethostname(),
         device=str(device) if device.type != "cuda" else f"cuda:{index}",
-        gpu=gpu,
+        gpu=str(torch.cuda.get_device_properties(index).uuid) if device.type == "cuda" and index < gpus else "",
         gpus_visible=gpus,
         local_world_size=local,
         nodes=int(os.environ.get("GROUP_WORLD_SIZE") or os.environ.get("SLURM_NNODES") or math.ceil(world / local)),
-        backend=backend,
+        backend=args.backend or ("nccl" if device.type == "cuda" else "gloo"),
         nccl_available=dist.is_nccl_available(),
         versions=versions(),
         socket_ifnames={k: v for k, v in sorted(os.environ.items()) if k.endswith("_SOCKET_IFNAME")},
-        shm_free=shm,
+        shm_free=shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0,
         memory_available=memory_available() if sys.platform == "linux" else 0,  # /proc/meminfo's
         loader_bytes=loader_bytes(args, device, local),
         cache_bytes=cache_bytes(args, len(plan.samples)),
