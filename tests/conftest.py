@@ -1,8 +1,8 @@
 """Helpers shared by the tests: run a launcher for real, watch and stop its processes, read what
 it wrote, build odd image folders.
 
-Tests that start real processes (launchers, process groups, benchmarks) are marked `slow`;
-`python -m pytest tests -m "not slow"` runs the rest."""
+Tests that start processes (launchers, process groups, benchmarks, a `--help`) or train a
+run are marked `slow`; `python -m pytest tests -m "not slow"` runs the rest in under a minute."""
 from __future__ import annotations
 
 import argparse
@@ -50,7 +50,7 @@ SMALL_MODEL = ["--model", "resnet18"]
 
 
 def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "slow: starts real training processes (deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "slow: starts processes or trains a run (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "gpu: runs on CUDA (tests/test_gpu.py); every other test's processes see no GPU")
     config.addinivalue_line("markers", "floor: the launchers' end-to-end runs and the collective recorder's, which "
                                        ".ci/run repeats on the oldest torch that requirements.txt allows "

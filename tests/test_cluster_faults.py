@@ -57,6 +57,7 @@ def test_the_store_waits_as_long_as_dist_timeout(monkeypatch):
     assert store.timeout == datetime.timedelta(seconds=123)
 
 
+@pytest.mark.slow
 def test_a_process_bound_to_its_own_cores_by_srun_keeps_them_all():
     """srun --cpus-per-task=8 binds each task to its own 8 CPUs: that is its share already, not
     a set to divide again by the tasks per node (taskset stands in for srun's binding)."""
@@ -124,6 +125,7 @@ print("sigterm", came, "batches", len(list(loader)), "server", server == multipr
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.version_info >= (3, 12, 1) or (3, 11, 10) <= sys.version_info < (3, 12),
                     reason="this CPython forks loader workers without a fork server (prepare_helper_start)")
 def test_a_sigterm_as_the_fork_server_starts_reaches_the_training_process_and_spares_the_server():
@@ -137,6 +139,7 @@ def test_a_sigterm_as_the_fork_server_starts_reaches_the_training_process_and_sp
     assert result.returncode == 0 and "sigterm [15] batches 2 server True" in result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("distributed", [False, True])  # forked by the training process; by a fork server
 def test_a_loader_worker_outlives_a_sigterm_from_outside_and_ends_on_its_trainers(distributed):
     """slurmstepd and `kill -TERM -PGID` signal the workers too: they must go on serving the

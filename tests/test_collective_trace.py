@@ -7,12 +7,14 @@ list must be the same (the rule of collectives)."""
 from __future__ import annotations
 
 import csv
-import sys
 import re
 from pathlib import Path
 
 import pytest
-from conftest import FAST, FAST_DEFAULT_WORKERS, REPO, SMALL_MODEL, ok, run_cli, train
+from conftest import FAST, FAST_DEFAULT_WORKERS, REPO, SMALL_MODEL, call_main, ok, train, user_error
+
+import train_multi_gpu_using_launch
+import train_single_gpu
 
 from test_meeting_points import TOUR, comment_of, leading_to_collectives, meeting_lines, tour_table
 
@@ -127,17 +129,17 @@ def test_rank_0_prints_each_epochs_collectives_by_launcher_line(recorded):
     assert ddp and all(calls_by_line()[int(r["line"])] == "train_one_epoch" for r in ddp)
 
 
-def test_the_one_process_launcher_does_not_offer_it():
+def test_the_one_process_launcher_does_not_offer_it(capsys):
     """One process meets no one: its parser has no --trace-collectives to offer."""
-    result = run_cli([sys.executable, "train_single_gpu.py", "--data-path", "data/flower_photos_sample",
-                      "--trace-collectives"], timeout=60)
-    assert result.returncode == 2 and "unrecognized arguments: --trace-collectives" in result.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        call_main(train_single_gpu.main, ["--data-path", "data/flower_photos_sample", "--trace-collectives"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --trace-collectives" in capsys.readouterr().err
 
 
-def test_check_refuses_it_rather_than_record_nothing():
-    result = run_cli([sys.executable, "train_multi_gpu_using_launch.py", "--data-path", "data/flower_photos_sample",
-                      "--check", "--trace-collectives"], timeout=60)
-    assert result.returncode == 2 and "--check trains none" in result.stderr
+def test_check_refuses_it_rather_than_record_nothing(capsys):
+    line = user_error(train_multi_gpu_using_launch.main, ["--data-path", "data/flower_photos_sample", "--check",
+                                                          "--trace-collectives"], capsys)
+    assert "--check trains none" in line
 
 
 def count(rows: list[dict], line_call: str, via: str, calls: dict[int, str]) -> int:

@@ -26,7 +26,7 @@ LEGACY_LAUNCH = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_
 # and a small image size so that the command runs here, on the bundled sample.
 ORIGINAL_OPTIONS = ["--num_classes", "5", "--epochs", "1", "--batch-size", "8", "--lr", "0.001", "--lrf", "0.1",
                     "--weights", "", "--freeze-layers", "False", "--data-path", str(SAMPLE)]
-OURS_HERE = ["--img-size", "32", "--workers", "0"]
+OURS_HERE = ["--img-size", "32", "--workers", "0", "--no-plots", "--model", "resnet18"]
 
 
 def original_command(kind: str, port: int) -> tuple[list[str], int]:

@@ -11,10 +11,12 @@ import os
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
-from conftest import (FAST, SAMPLE, SMALL_MODEL, child_pids, kill_group, launcher_cmd, metrics, run_cli, start)
+from conftest import (FAST, SAMPLE, SMALL_MODEL, child_pids, describe_processes, kill_group, launcher_cmd, run_cli,
+                      processes_with_marker, start)
 
 from cluster import check
 from multi_train_utils.checkpoint import load_checkpoint, save_atomic
@@ -32,22 +34,28 @@ def env_ranks(rank: int, world_size: int, port: int, address: str = "127.0.0.1")
             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
-def start_ranks(out: Path, ranks: list[int], world_size: int, *extra: str) -> list:
-    port = find_free_port()
+def start_ranks(out: Path, ranks: list[int], world_size: int, *extra: str, address: str = "127.0.0.1",
+                marker: str = "") -> list:
+    port = find_free_port(address)
     cmd = [sys.executable, "train_multi_gpu_using_launch.py", "--output-dir", str(out), *TRAIN, *extra]
-    return [start(cmd, env=env_ranks(rank, world_size, port)) for rank in ranks]
+    return [start(cmd, env={**env_ranks(rank, world_size, port, address), "TEST_JOB_MARKER": marker})
+            for rank in ranks]
 
 
-def finish(procs: list, timeout: float = 60) -> list[tuple[int, str, str]]:
-    """(exit code, stdout, stderr) of each process, each given `timeout` seconds from now."""
-    deadline, results = time.monotonic() + timeout, []
+def finish(procs: list, timeout: float = 60, marker: str | None = None) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each process, each given `timeout` seconds from now; with
+    the job's `marker`, no process of the job may be left once they have ended."""
+    deadline, results, left = time.monotonic() + timeout, [], []
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             results.append((proc.returncode, out, err))
+        while marker and (left := processes_with_marker(marker)) and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         for proc in procs:
             kill_group(proc)
+    assert not left, f"processes of the job left running: {describe_processes(left)}"
     return results
 
 
@@ -78,14 +86,17 @@ def cmdline(pid: int) -> str:
 def test_rank_0_killed_in_training_ends_the_job_within_a_minute_and_is_named(launcher, tmp_path):
     """Rank 0 SIGKILLed in training (an out-of-memory kill, a lost node): it hosts the store
     under env ranks, srun and the spawn launcher, so the others lose both their peer and their
-    store. Every other process ends within a minute, non-zero; torchrun's summary and the spawn
-    launcher name rank 0 (under srun, srun does: tests/test_slurm.py)."""
+    store. Every other process ends within a minute, non-zero, and no process of the job is
+    left; torchrun's summary and the spawn launcher name rank 0 (under srun, srun does:
+    tests/test_slurm.py)."""
     long = [*SMALL_MODEL, "--epochs", "30", "--batch-size", "2"]
+    marker = uuid.uuid4().hex
     if launcher == "env":
-        procs = start_ranks(tmp_path, [0, 1], 2, *long)
+        procs = start_ranks(tmp_path, [0, 1], 2, *long, marker=marker)
         victim = procs[0].pid
     else:
-        procs = [start(launcher_cmd(launcher, 2) + ["--output-dir", str(tmp_path), *TRAIN, *long])]
+        procs = [start(launcher_cmd(launcher, 2) + ["--output-dir", str(tmp_path), *TRAIN, *long],
+                       env={"TEST_JOB_MARKER": marker})]
     deadline = time.monotonic() + 180
     while not (tmp_path / "metrics.jsonl").exists():
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, finish(procs)
@@ -94,7 +105,7 @@ def test_rank_0_killed_in_training_ends_the_job_within_a_minute_and_is_named(lau
         victim = workers_of(procs[0])[0]
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
-    results = finish(procs, timeout=60)
+    results = finish(procs, timeout=60, marker=marker)
     assert time.monotonic() - killed < 60
     codes = [code for code, _, _ in results]
     assert all(code != 0 for code in codes), codes
@@ -128,9 +139,10 @@ def test_a_rank_missing_at_the_start_is_named_and_a_check_says_so_on_every_rank(
 def test_ranks_that_read_different_checkpoints_stop_before_they_train(tmp_path):
     """A shared file system that has not caught up shows one rank an older last.pth (given here
     as another --resume file to rank 1): the ranks compare the positions they read and stop,
-    naming both, instead of hanging or training apart."""
+    naming both, instead of hanging or training apart. The first run meets at MASTER_ADDR=::1:
+    torch's own store takes IPv6 addresses, and so does the job."""
     first = tmp_path / "run"
-    procs = start_ranks(first, [0, 1], 2, *SMALL_MODEL, "--epochs", "2")
+    procs = start_ranks(first, [0, 1], 2, *SMALL_MODEL, "--epochs", "2", address="::1")
     assert [code for code, _, _ in finish(procs, timeout=180)] == [0, 0]
     older = tmp_path / "older.pth"
     port = find_free_port()
@@ -147,19 +159,8 @@ def test_ranks_that_read_different_checkpoints_stop_before_they_train(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_ipv6_rendezvous_trains(tmp_path):
-    """MASTER_ADDR=::1: torch's own store takes IPv6 addresses, and so does the job."""
-    port = find_free_port("::1")
-    cmd = [sys.executable, "train_multi_gpu_using_launch.py", "--output-dir", str(tmp_path), *TRAIN]
-    procs = [start(cmd, env=env_ranks(rank, 2, port, "::1")) for rank in (0, 1)]
-    results = finish(procs, timeout=120)
-    assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:]
-    assert len(metrics(tmp_path)) == 1
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher, phase", [("single", "config: "), ("launch", "process group: "),
-                                             ("spawn", "process group: "), ("launch", "images in 5 classes")])
+@pytest.mark.parametrize("launcher, phase", [("single", "config: "), ("spawn", "process group: "),
+                                             ("launch", "images in 5 classes")])
 def test_a_sigterm_during_setup_ends_every_process_with_75(launcher, phase, tmp_path):
     """SIGTERM to every process of the job (as slurmstepd and torchrun's killpg send it) as a
     phase of the setup starts: the rendezvous, listing and checking the images, the --cache
@@ -196,6 +197,7 @@ def test_a_sigterm_to_the_spawn_launcher_as_its_processes_start_ends_them_with_7
     assert proc.returncode == EXIT_PREEMPTED, (proc.returncode, err[-3000:])
 
 
+@pytest.mark.slow
 def test_a_damaged_split_json_is_a_clear_error_and_writes_are_whole(tmp_path):
     """A split.json cut short (by a kill during a write of an older version) stops a resume
     with one line that says what to do, not a JSONDecodeError; the run folder's JSON files are

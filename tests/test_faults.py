@@ -21,7 +21,6 @@ import torch.multiprocessing as mp
 from conftest import (
     SAMPLE,
     STOP_WITHIN,
-    child_pids,
     copy_sample,
     metrics,
     run_cli,
@@ -129,18 +128,6 @@ def test_hostile_pickle_is_refused_and_runs_nothing(tmp_path, option, capsys):
 
 
 @pytest.mark.slow
-def test_spawn_child_killed_brings_the_job_down(tmp_path):
-    proc, marker = start_job("spawn", tmp_path, "--epochs", "50", "--workers", "1")
-    wait_for_epochs(proc, tmp_path, 1)
-    children = [pid for pid in child_pids(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert len(children) == 2, children
-    os.kill(children[1], signal.SIGKILL)
-    seconds, err = wait_until_gone(proc, marker)
-    assert proc.returncode != 0 and seconds < STOP_WITHIN
-    assert "killed by SIGKILL" in err, err[-2000:]
-
-
-@pytest.mark.slow
 def test_spawn_child_exception_is_shown_and_the_job_ends(tmp_path):
     """An image is corrupted after start-up: the rank that reads it raises and says so, with
     its traceback, and the launcher takes the others down (mp.spawn's join)."""
@@ -154,31 +141,6 @@ def test_spawn_child_exception_is_shown_and_the_job_ends(tmp_path):
     failing = re.search(r"^rank (\d): RuntimeError: cannot decode", err, re.MULTILINE)
     assert failing, err[-3000:]
     assert "Traceback" in err and "roses" in err, err[-3000:]  # which file, and where it was read
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher, nproc", [("single", 1), ("launch", 2), ("spawn", 2)])
-def test_ctrl_c_stops_every_process(tmp_path, launcher, nproc):
-    proc, marker = start_job(launcher, tmp_path, "--epochs", "50", "--workers", "1", nproc=nproc)
-    wait_for_epochs(proc, tmp_path, 1)
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
-    seconds, err = wait_until_gone(proc, marker)
-    assert seconds < STOP_WITHIN, (seconds, err[-2000:])
-    # Each training process reports and exits 130 (the shell's code for SIGINT), unless the spawn
-    # launcher, which reports once for the job, ends it first. Ours pass the 130 on; torchrun
-    # replaces it with its own 1, after its SignalException traceback.
-    assert err.splitlines().count("interrupted") >= (1 if launcher == "spawn" else nproc), err[-3000:]
-    assert proc.returncode == (1 if launcher == "launch" else 130), (proc.returncode, err[-2000:])
-
-
-@pytest.mark.slow
-def test_sigint_to_the_spawn_launcher_alone_stops_its_children(tmp_path):
-    """A scheduler signals the launcher, not its children: they must not outlive it."""
-    proc, marker = start_job("spawn", tmp_path, "--epochs", "50", "--workers", "1")
-    wait_for_epochs(proc, tmp_path, 1)
-    os.kill(proc.pid, signal.SIGINT)
-    seconds, _ = wait_until_gone(proc, marker)
-    assert proc.returncode == 130 and seconds < STOP_WITHIN
 
 
 @pytest.mark.slow
@@ -253,6 +215,7 @@ time.sleep(1)  # the sharer thread reports what it got, or nothing
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", ["plain", "worker"])
 def test_a_dropped_batch_handover_prints_no_traceback_in_a_loader_worker(setup):
     result = run_cli([sys.executable, "-c", DROPPED_HANDOVER, setup], timeout=60)

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 from conftest import REPO
@@ -91,12 +89,6 @@ def figures_without_origin(text: str, rows_alone: bool = False) -> list[str]:
 def test_every_figure_names_its_machine_and_what_measured_it(page):
     problems = figures_without_origin((REPO / page).read_text(), rows_alone=page.endswith("options.md"))
     assert not problems, "\n".join(problems)
-
-
-def test_help_states_no_figure():
-    help_text = subprocess.run([sys.executable, "train_single_gpu.py", "--help"], cwd=REPO, capture_output=True,
-                               text=True, check=True).stdout
-    assert not FIGURE.findall(help_text)
 
 
 def test_a_figure_without_its_machine_or_its_command_is_caught():

@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 from conftest import REPO
+from test_figures import FIGURE
 
 from multi_train_utils.train_eval_utils import metrics_of
 from outputs import run_folder
@@ -188,12 +189,15 @@ def cut_short(what: str, text: str) -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_each_help_text_is_whole(script):
+def test_each_help_text_is_whole_and_states_no_figure(script):
+    """Whole sentences; and no measured figure, which would age without its machine beside it."""
     texts = help_texts(script)
     assert texts[0][0] == "description" and len(texts) > 3, texts
     problems = [f"{what}: {text!r}: {why}" for what, text in texts if text and (why := cut_short(what, text))]
     assert not problems, "\n".join(problems)
+    assert not FIGURE.findall(help_outputs()[script])
 
 
 def test_a_help_text_cut_short_is_caught():

@@ -1,8 +1,8 @@
 """The repository's flowers.sbatch under a real SLURM (tests/slurm_cluster.py), fitted to one
 node of 4 CPU tasks and run with the default loader workers: the time limit's warning (the
 script's --signal=TERM@N) stops every task after the same step, the job requeues itself and
-goes on from that step; a plain scancel leaves the position for a new job, which ends the run;
-a task killed ends the job, srun naming it. Skipped, with the reason, where SLURM cannot start."""
+goes on from that step, until a task killed ends the job, srun naming it; a plain scancel
+leaves the position for a new job, which ends the run. Skipped, with the reason, where SLURM cannot start."""
 from __future__ import annotations
 
 import os
@@ -94,14 +94,16 @@ def epochs_logged(run: Path) -> int:
 
 
 @pytest.mark.slow
-def test_the_time_limits_warning_requeues_the_job_which_goes_on_from_its_step(cluster, tmp_path):
+def test_the_time_limits_warning_requeues_the_job_which_goes_on_and_a_killed_task_ends_it(cluster, tmp_path):
     """The script's own `--signal=TERM@N` before its time limit, sent by SLURM to every process
     of the job step. slurmctld looks at time limits every 30 s and sends the warning at the first
     look less than N + 30 s before the limit (measured here): with a 2-minute limit and TERM@60,
     30 to 60 s into the job. The job has more epochs than any of these machines trains in that
     time, so the warning finds it training whatever the machine's speed. Every task stops after
     the same step, the script requeues the job, and the job, given a longer limit while it
-    waits, goes on from that step; it is then cancelled."""
+    waits, goes on from that step. Then rank 0 is SIGKILLed in training (it hosts the store):
+    srun names the task, --kill-on-bad-exit ends the others, and the job fails within a minute,
+    last.pth intact."""
     job, run, output = submit(cluster, tmp_path, epochs=1000, limit=("00:02:00", 60))
     wait_for(cluster, job, output, lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1", "the requeue",
              timeout=240)
@@ -116,10 +118,17 @@ def test_the_time_limits_warning_requeues_the_job_which_goes_on_from_its_step(cl
     wait_for(cluster, job, output, lambda f: f"epoch {epoch} goes on after step {step}" in output.read_text(),
              "the resumed epoch")
     wait_for(cluster, job, output, lambda f: epochs_logged(run) >= epoch, "the resumed epoch's end")
-    cluster.run("scancel", job)
-    wait_for(cluster, job, output, lambda f: f["JobState"] in FINAL_STATES, "the end", timeout=120)
     logged = [m["epoch"] for m in metrics(run)]
     assert logged == list(range(1, len(logged) + 1)) and len(logged) >= epoch  # each epoch logged once
+
+    os.kill(task_pid(job, rank=0), signal.SIGKILL)
+    killed = time.monotonic()
+    fields = wait_for(cluster, job, output, lambda f: f["JobState"] in FINAL_STATES, "the end", timeout=120)
+    log = output.read_text()
+    assert time.monotonic() - killed < 60, log[-4000:]
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0", (fields, log[-4000:])
+    assert re.search(r"srun: error: .*: task 0: Killed", log), log[-4000:]
+    assert load_checkpoint(run / "last.pth")["epoch"] >= epoch
 
 
 @pytest.mark.slow
@@ -148,22 +157,6 @@ def test_a_plain_scancel_saves_the_position_and_a_new_job_goes_on_from_it(cluste
     assert not [line for line in log.splitlines() if line.startswith("error:")], log[-4000:]
     assert [m["epoch"] for m in metrics(run)] == [1, 2]  # each epoch logged once
     assert load_checkpoint(run / "last.pth")["epoch"] == 2
-
-
-@pytest.mark.slow
-def test_a_killed_task_ends_the_job_and_srun_names_it(cluster, tmp_path):
-    """Rank 0 SIGKILLed in training (it hosts the store): srun names the task, and
-    --kill-on-bad-exit ends the others; the job fails within a minute, last.pth intact."""
-    job, run, output = submit(cluster, tmp_path, epochs=30)
-    wait_for(cluster, job, output, lambda f: epochs_logged(run) >= 1, "epoch 1")
-    os.kill(task_pid(job, rank=0), signal.SIGKILL)
-    killed = time.monotonic()
-    fields = wait_for(cluster, job, output, lambda f: f["JobState"] in FINAL_STATES, "the end", timeout=120)
-    log = output.read_text()
-    assert time.monotonic() - killed < 60, log[-4000:]
-    assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0", (fields, log[-4000:])
-    assert re.search(r"srun: error: .*: task 0: Killed", log), log[-4000:]
-    assert load_checkpoint(run / "last.pth")["epoch"] >= 1
 
 
 def task_pid(job: str, rank: int) -> int:

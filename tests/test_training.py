@@ -209,6 +209,7 @@ def test_a_resumed_step_is_the_same_step_whatever_layout_the_checkpoint_holds(op
         assert torch.equal(a, b), f"{name}: the step resumed from the other layout differs"
 
 
+@pytest.mark.slow
 def test_eval_only_with_weights(tmp_path, capsys):
     """--eval-only --weights: the validation split scored with a plain state dict, no training."""
     torch.manual_seed(3)
