@@ -24,8 +24,10 @@ from cluster.sigterm import Preemption
 # after the same step and rank 0 saves the position. Set first: loading torch takes seconds.
 preemption = Preemption()
 signal.signal(signal.SIGTERM, preemption.on_sigterm)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # mp.spawn starts a process with it blocked (main())
 
 import datetime
+import multiprocessing.resource_tracker
 import os
 import sys
 import threading
@@ -54,7 +56,7 @@ from cluster.preemption import save_position_and_exit
 from outputs import collective_trace
 from outputs.report import evaluate_only, report_on_best
 from outputs.run_folder import RunFiles, create_run_folder, read_resume_checkpoint
-from processes.helper_signals import sigterm_ignored_in_new_programs
+from processes.helper_signals import sigterm_blocked
 from utils import exit_on_error
 
 
@@ -68,10 +70,12 @@ def main() -> None:
         # port on 127.0.0.1 (gloo then stays on loopback: GLOO_SOCKET_IFNAME).
         meeting_point(args)
     # A SIGTERM to this launcher alone (a scheduler that signals the main process) is passed on to the
-    # processes, each second until they end (join_processes): each ignores it until its own handler is set.
+    # processes, each second until they end (join_processes). Each starts with it blocked (exec keeps the
+    # mask), pending until its handler is set; the resource tracker first, as its start unblocks it.
     sigterm_came = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: sigterm_came.set())
-    with sigterm_ignored_in_new_programs():
+    multiprocessing.resource_tracker.ensure_running()
+    with sigterm_blocked():
         context = mp.spawn(worker, args=(plan,), nprocs=plan.world_size, join=False)
     sys.exit(join_processes(context, sigterm_came))  # the first failure ends the job; Ctrl-C ends them all
 

@@ -28,20 +28,6 @@ def sigterm_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-@contextlib.contextmanager
-def sigterm_ignored_in_new_programs() -> Iterator[None]:
-    """Meanwhile, a program this process starts (the spawn launcher's processes) ignores SIGTERM
-    until it sets its own handler: an ignored signal stays ignored across exec. This process
-    ignores it meanwhile too, and a SIGTERM to it is lost: the block below holds only until
-    multiprocessing starts its resource tracker, and a thread of torch's does not block it."""
-    with sigterm_blocked():
-        handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
-
-
 class ForkedWithSigtermBlocked(multiprocessing.context.ForkProcess):
     """A forked helper whose threads, all made after the fork, start with SIGTERM blocked: the
     signal then reaches only the thread of leave_sigterm_to's, never a handler of torch's in a
