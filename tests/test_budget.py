@@ -42,6 +42,7 @@ def test_the_count_is_what_fits_after_epoch_1():
     assert sizes(1) == 16 and sizes(sizes.ramp_epochs) == 32 and sizes.ramp_epochs == max(2, round(10 * fit / 20))
 
 
+@pytest.mark.slow
 def test_without_epochs_the_budget_alone_decides():
     assert most_epochs(args_for()) == 30
     assert most_epochs(args_for("--time-budget", "1h")) == 1000
@@ -102,6 +103,7 @@ def tiny(tmp_path):
     return copy_sample(tmp_path / "data", per_class=5)
 
 
+@pytest.mark.slow
 def test_a_budget_too_small_gives_one_epoch(tiny, tmp_path, monkeypatch, capsys):
     train_in_process(tiny, tmp_path / "run", FakeClock(10), monkeypatch, "--time-budget", "15")
     out = capsys.readouterr().out

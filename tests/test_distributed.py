@@ -342,6 +342,7 @@ def test_a_run_resumed_after_its_last_step_has_no_scaling_summary(tmp_path):
     assert tally.summary()["images_per_sec"] == 160 and tally.summary()["data_wait_share"] == 0.25
 
 
+@pytest.mark.slow
 def test_ddp_timers_are_read_from_ddp_itself_under_compile_and_not_under_a_graph():
     """The timers come from DDP's own logging data, in ms, also through torch.compile's wrapper
     (not compiled until called); none for a replayed graph; nothing without DDP."""

@@ -89,6 +89,7 @@ def some_batches() -> tuple[argparse.Namespace, list[tuple[torch.Tensor, torch.T
     return args, [(torch.stack([x for x, _ in b]), torch.tensor([y for _, y in b])) for b in batches]
 
 
+@pytest.mark.slow
 def test_stopping_inside_an_epoch_and_going_on_equals_the_whole_epoch(monkeypatch):
     """In one process: train an epoch whole, and again stopped at a check and resumed from the
     position the stop reports. Same parameters, same epoch loss."""

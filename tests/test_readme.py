@@ -237,6 +237,7 @@ def test_the_documented_metrics_keys_are_those_a_run_writes():
                                    f"documented, not written: {sorted(documented - written)}")
 
 
+@pytest.mark.slow
 def test_the_predicting_page_lists_every_option_of_predict_and_export():
     """docs/predicting-and-plots.md, which the README sends predict.py's users to, names each option."""
     page = (REPO / "docs" / "predicting-and-plots.md").read_text()

@@ -243,6 +243,7 @@ def test_accumulating_two_batches_of_4_is_one_batch_of_8():
     assert not torch.allclose(apart.fc.weight, whole.fc.weight, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_accumulation_all_reduces_once_per_optimizer_step():
     """In a real (one-rank, gloo) process group: DDP's gradient hook runs for the batch that
     closes an optimizer step, not for the ones before it (no_sync)."""

@@ -78,7 +78,8 @@ def test_frozen_backbone_keeps_its_batchnorm_statistics():
     assert not torch.equal(model.fc.weight, head), "the classifier should have learned"
 
 
-@pytest.mark.parametrize("choice, expected", [("off", None), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
+@pytest.mark.parametrize("choice, expected", [("off", None), ("bf16", torch.bfloat16),
+                                              pytest.param("fp16", torch.float16, marks=pytest.mark.slow)])
 def test_amp_choices_train_in_that_precision(choice, expected):
     """Each explicit --amp value gives its autocast dtype, fp16 with a loss scaler, and trains
     in it: the first convolution's output, during the training step, has that dtype."""
@@ -161,6 +162,7 @@ def test_a_linear_decay_falls_in_a_straight_line_to_its_end():
     assert cosine(155) == pytest.approx(0.4 * 0.5 * (1 + math.cos(math.pi * 0.75)))  # below the line there
 
 
+@pytest.mark.slow
 def test_it_learns():
     """A handful of steps on eight photos drive the training loss well down: the step, the
     loss, the optimizer and the schedule are wired together as they should be."""
@@ -176,6 +178,7 @@ def test_it_learns():
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", ["--channels-last", "--no-channels-last"])
 def test_a_resumed_step_is_the_same_step_whatever_layout_the_checkpoint_holds(option):
     """A GPU run's epoch checkpoint holds the momentum buffers in NCHW (pinned host copies are
