@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import (FAST, SAMPLE, SMALL_MODEL, child_pids, describe_processes, kill_group, launcher_cmd, run_cli,
+from conftest import (FAST, FAST_DEFAULT_WORKERS, SAMPLE, SMALL_MODEL, child_pids, describe_processes, kill_group, launcher_cmd, run_cli,
                       processes_with_marker, start)
 
 from cluster import check
@@ -24,6 +24,8 @@ from multi_train_utils.distributed_utils import find_free_port
 from outputs.plotter import Plotter
 
 TRAIN = ["--data-path", str(SAMPLE), *FAST, "--epochs", "1"]
+# The default loader workers: processes of their own, which must end with the job.
+TRAIN_DEFAULT_WORKERS = ["--data-path", str(SAMPLE), *FAST_DEFAULT_WORKERS, "--epochs", "1"]
 EXIT_PREEMPTED = 75
 
 
@@ -35,9 +37,9 @@ def env_ranks(rank: int, world_size: int, port: int, address: str = "127.0.0.1")
 
 
 def start_ranks(out: Path, ranks: list[int], world_size: int, *extra: str, address: str = "127.0.0.1",
-                marker: str = "") -> list:
+                marker: str = "", train: list[str] = TRAIN) -> list:
     port = find_free_port(address)
-    cmd = [sys.executable, "train_multi_gpu_using_launch.py", "--output-dir", str(out), *TRAIN, *extra]
+    cmd = [sys.executable, "train_multi_gpu_using_launch.py", "--output-dir", str(out), *train, *extra]
     return [start(cmd, env={**env_ranks(rank, world_size, port, address), "TEST_JOB_MARKER": marker})
             for rank in ranks]
 
@@ -87,15 +89,15 @@ def test_rank_0_killed_in_training_ends_the_job_within_a_minute_and_is_named(lau
     """Rank 0 SIGKILLed in training (an out-of-memory kill, a lost node): it hosts the store
     under env ranks, srun and the spawn launcher, so the others lose both their peer and their
     store. Every other process ends within a minute, non-zero, and no process of the job is
-    left; torchrun's summary and the spawn launcher name rank 0 (under srun, srun does:
+    left, loader workers included (the default options); torchrun's summary and the spawn launcher name rank 0 (under srun, srun does:
     tests/test_slurm.py)."""
     long = [*SMALL_MODEL, "--epochs", "30", "--batch-size", "2"]
     marker = uuid.uuid4().hex
     if launcher == "env":
-        procs = start_ranks(tmp_path, [0, 1], 2, *long, marker=marker)
+        procs = start_ranks(tmp_path, [0, 1], 2, *long, marker=marker, train=TRAIN_DEFAULT_WORKERS)
         victim = procs[0].pid
     else:
-        procs = [start(launcher_cmd(launcher, 2) + ["--output-dir", str(tmp_path), *TRAIN, *long],
+        procs = [start(launcher_cmd(launcher, 2) + ["--output-dir", str(tmp_path), *TRAIN_DEFAULT_WORKERS, *long],
                        env={"TEST_JOB_MARKER": marker})]
     deadline = time.monotonic() + 180
     while not (tmp_path / "metrics.jsonl").exists():
