@@ -42,11 +42,10 @@ from torch.utils.data import DistributedSampler
 # The data-parallel core: the lesson, with this file (docs/how-it-works.md walks through it).
 from model import cpu_sync_batchnorm
 from multi_train_utils.config import check_and_list_images, read_command_line
-from multi_train_utils.distributed_utils import backend_for, job_store, process_context
+from multi_train_utils.distributed_utils import job_store, process_context
 from multi_train_utils.loaders import build_datasets
 from multi_train_utils.resume import restore_training
-from multi_train_utils.train_eval_utils import (build_model, build_optimizer, evaluate_epoch,
-                                               take_rank0_batchnorm_statistics, train_one_epoch)
+from multi_train_utils.train_eval_utils import build_model, build_optimizer, evaluate_epoch, train_one_epoch
 # The machinery around it: what a cluster does to a run, and what rank 0 writes.
 from cluster.check import check
 from cluster.preemption import save_position_and_exit
@@ -67,12 +66,12 @@ def main() -> None:
             sys.exit(check(plan, plan.ranks))  # its own group; all_gather, broadcast, all_reduce
         if args.trace_collectives:  # every collective from here on recorded, with the line below that led to it
             collective_trace.start(__file__)
-        ctx = process_context(plan.ranks, args.device)  # on GPUs, its local rank's; its share of the CPU cores
+        ctx = process_context(plan.ranks, args.device, args.backend)  # on GPUs, its local rank's; its cores
         if ctx.distributed:
             # init_process_group: complete once every rank has joined (gloo connects to each peer; NCCL,
             # given device_id, its communicator). NCCL on GPUs, gloo on the CPU; a peer missing, dead or stuck
             # becomes an error after --dist-timeout. job_store: where they meet (torchrun's agent's store).
-            dist.init_process_group(backend_for(ctx, args.backend), store=job_store(plan.ranks, args.dist_timeout),
+            dist.init_process_group(ctx.backend, store=job_store(plan.ranks, args.dist_timeout),
                                     rank=ctx.rank, world_size=ctx.world_size,
                                     timeout=datetime.timedelta(seconds=args.dist_timeout),
                                     device_id=ctx.device if ctx.device.type == "cuda" else None)
@@ -158,9 +157,8 @@ def train(plan, ctx) -> None:
                                               args, ctx, ema, preemption.requested)
                 if train_stats["stopped_after"]:  # SIGTERM: every rank stopped after the same step
                     save_position_and_exit(files, epoch, progress, train_stats, output_dir, ctx)  # barrier, exit 75
-                # broadcast: rank 0's BatchNorm statistics into every rank's model (and --ema's average).
-                take_rank0_batchnorm_statistics(model_without_ddp, ema, ctx)
-                # all_reduce: exact, every image once (after a broadcast of --bn-recalibrate's statistics).
+                # broadcast: rank 0's BatchNorm statistics, so that every rank evaluates the weights it saves;
+                # all_reduce: exact, every image once.
                 evaluated = evaluate_epoch(model_without_ddp, val_loader, args, ctx, ema, data.recalibrate)
                 is_best = evaluated.better_acc > progress.best_acc
                 if is_best:

@@ -60,6 +60,7 @@ class DistContext:
     local_world_size: int
     device: torch.device
     distributed: bool  # a process group exists (also true for a torchrun job of one process)
+    backend: str = "gloo"  # the process group's: --backend, else NCCL on GPUs and gloo on the CPU
 
     @classmethod
     def single(cls, device: torch.device = torch.device("cpu")) -> DistContext:
@@ -178,21 +179,17 @@ def _launcher_environ() -> dict[str, str] | None:
     return dict(e.decode(errors="replace").partition("=")[::2] for e in entries if e)
 
 
-def process_context(ranks: Ranks | None, device_spec: str | None) -> DistContext:
-    """This process's device (on CUDA its local rank's GPU, made current) and share of the CPU
-    cores, before any process group; `ranks` None: one process."""
+def process_context(ranks: Ranks | None, device_spec: str | None, backend: str | None = None) -> DistContext:
+    """This process's device (on CUDA its local rank's GPU, made current), share of the CPU
+    cores and process group backend (`backend`, else NCCL on GPUs and gloo on the CPU), before
+    any process group; `ranks` None: one process."""
     job = ranks or Ranks(0, 0, 1, 1)
     device = resolve_device(device_spec, job.local_rank, job.local_world_size, distributed=ranks is not None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _configure_threads(device, job.local_world_size)
     return DistContext(job.rank, job.local_rank, job.world_size, job.local_world_size, device,
-                       distributed=ranks is not None)
-
-
-def backend_for(ctx: DistContext, choice: str | None) -> str:
-    """--backend, else NCCL on GPUs and gloo on the CPU."""
-    return choice or ("nccl" if ctx.device.type == "cuda" else "gloo")
+                       distributed=ranks is not None, backend=backend or ("nccl" if device.type == "cuda" else "gloo"))
 
 
 def job_store(ranks: Ranks, timeout_s: float) -> dist.Store | None:
@@ -236,9 +233,9 @@ def job_store(ranks: Ranks, timeout_s: float) -> dist.Store | None:
 def init_distributed(ranks: Ranks | None, device_spec: str | None, backend: str | None = None,
                      timeout_s: float = 1800) -> DistContext:
     """process_context and, in a job, `dist.init_process_group`, as the launchers write them out."""
-    ctx = process_context(ranks, device_spec)
+    ctx = process_context(ranks, device_spec, backend)
     if ctx.distributed:
-        dist.init_process_group(backend_for(ctx, backend), store=job_store(ranks, timeout_s), rank=ctx.rank,
+        dist.init_process_group(ctx.backend, store=job_store(ranks, timeout_s), rank=ctx.rank,
                                 world_size=ctx.world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return ctx
 

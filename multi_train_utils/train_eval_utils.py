@@ -383,25 +383,21 @@ class Evaluation:
         return max(self.val["val_acc"], self.val.get("ema_val_acc", 0.0))
 
 
-def take_rank0_batchnorm_statistics(model: nn.Module, ema: WeightAverage | None, ctx: DistContext) -> None:
-    """Rank 0's BatchNorm statistics (running means and variances) into `model` and --ema's
-    average on every rank. Without --sync-bn each rank's follow its own batches; evaluated with
-    rank 0's, every rank evaluates, and trains on from, the weights rank 0 saves, and the
-    accuracy is the checkpoint's at any world size. Collectives: one broadcast per dtype of the buffers, per model."""
-    for module in (model, *([ema.module] if ema else [])):
-        broadcast_buffers(module, ctx)
-
-
 def evaluate_epoch(model: nn.Module, loader: Iterable, args: argparse.Namespace, ctx: DistContext,
                    ema: WeightAverage | None = None,
                    recalibrate: Callable[[PlacedModel, DistContext], PlacedModel] | None = None) -> Evaluation:
     """The exact validation metrics of `model` (unwrapped: no DDP, not compiled), and of its
     weight average when there is one, each prepared by `recalibrate` when asked; which of the
-    two scored higher, and its outputs. Every rank evaluates its own shard. Collective, per
-    model: one all_reduce(SUM) of the shard's sums."""
+    two scored higher, and its outputs. Every rank evaluates its own shard, with rank 0's
+    BatchNorm statistics (running means and variances): without --sync-bn each rank's follow its
+    own batches; with rank 0's, every rank evaluates, and trains on from, the weights rank 0
+    saves, and the accuracy is the checkpoint's at any world size. Collectives, per model: a
+    broadcast per dtype of its buffers, then one all_reduce(SUM) of the shard's sums."""
     started = clock()
     modules = {"model": model, **({"ema": ema.module} if ema else {})}
     done = {}
+    for module in modules.values():
+        broadcast_buffers(module, ctx)  # broadcast: rank 0's BatchNorm statistics
     for name, module in modules.items():
         feed = placed(module, args, ctx.device)
         if recalibrate:

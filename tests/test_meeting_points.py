@@ -160,7 +160,7 @@ def test_what_leads_to_a_collective_is_found_and_what_does_not_is_not(leading):
     (train_one_epoch reaches dist.all_reduce through all_reduce_sum), and known local ones are not."""
     assert {"train_one_epoch", "evaluate_epoch", "create_run_folder", "read_resume_checkpoint", "build_datasets",
             "init_distributed", "evaluate_only", "report_on_best", "fit_epochs_to_budget", "budget_allows",
-            "take_rank0_batchnorm_statistics", "save_position_and_exit", "all_reduce_sum", "broadcast_object"} <= leading
+            "broadcast_buffers", "save_position_and_exit", "all_reduce_sum", "broadcast_object"} <= leading
     assert not {"build_model", "build_optimizer", "restore_training", "finish_epoch", "save_epoch", "RunFiles",
                 "cpu_sync_batchnorm", "check_and_list_images", "read_command_line", "loaders"} & leading
 
