@@ -101,100 +101,98 @@ def worker(rank: int, plan) -> None:
                    f"rendezvous={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}, "
                    f"threads per process={torch.get_num_threads()}")
         try:
-            train(plan, ctx)
+            output_dir = create_run_folder(plan, ctx)  # broadcast: rank 0 creates it (and prints the configuration)
+            with collective_trace.kept(output_dir, ctx):  # --trace-collectives: each rank's list, however it ends
+                train(plan, ctx, output_dir)
         finally:
             dist.destroy_process_group()
 
 
-def train(plan, ctx) -> None:
+def train(plan, ctx, output_dir) -> None:
     """The whole run of one process: `plan` is the checked command line and the images, `ctx`
-    this process's rank, device and whether a process group exists."""
+    this process's rank, device and whether a process group exists, `output_dir` the run folder."""
     args = plan.args
     began = time.perf_counter()
-    output_dir = create_run_folder(plan, ctx)  # broadcast: rank 0 creates it (and prints the configuration)
     # --resume's checkpoint, read by every rank (a broadcast under --resume auto: whether rank 0 found last.pth;
     # resuming, an all_gather: every rank read the same position).
     checkpoint = read_resume_checkpoint(args, output_dir, ctx)
-    # --trace-collectives: each rank's list kept, however the run ends.
-    with collective_trace.kept(output_dir, ctx):
-        # all_gather: the unreadable files each rank found, so all split alike (resuming: two broadcasts instead,
-        # rank 0's view of split.json, then its verdict). --cache and --device-augment add theirs (the tour's table).
-        data = build_datasets(plan, checkpoint, ctx)
-        # Each rank draws its own 1/world_size of the training images, in a new order every epoch.
-        train_sampler = DistributedSampler(data.train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
-                                           seed=args.seed)
-        train_loader, val_loader = data.loaders(train_sampler, args, ctx)  # validation: unpadded shards
+    # all_gather: the unreadable files each rank found, so all split alike (resuming: two broadcasts instead,
+    # rank 0's view of split.json, then its verdict). --cache and --device-augment add theirs (the tour's table).
+    data = build_datasets(plan, checkpoint, ctx)
+    # Each rank draws its own 1/world_size of the training images, in a new order every epoch.
+    train_sampler = DistributedSampler(data.train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                                       seed=args.seed)
+    train_loader, val_loader = data.loaders(train_sampler, args, ctx)  # validation: unpadded shards
 
-        model = build_model(args, len(data.class_names), ctx)  # seeded: the same initial weights on every rank
-        if args.eval_only:
-            # all_reduce and all_gather: the weights --resume or --weights gives, evaluated; their report.
-            evaluate_only(model, checkpoint, val_loader, data, output_dir, args, ctx)
-            return
-        if checkpoint:
-            model.load_state_dict(checkpoint["model"])
-        if args.sync_bn and ctx.distributed:
-            # BatchNorm statistics over the global batch, not each rank's share: swapped in before the wrap.
-            if ctx.device.type == "cuda":
-                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-            else:
-                model = cpu_sync_batchnorm(model)  # torch's runs on GPUs only: the same sums, over gloo
-        model_without_ddp = model  # what is saved, evaluated and averaged: its weights load under any launcher
-        if ctx.distributed:
-            # all_gather of the parameter count and a broadcast of rank 0's shapes: DDP checks every rank has the
-            # same parameters; broadcast: rank 0's weights and buffers to every rank. backward() will all-reduce
-            # the gradients.
-            model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-            if args.trace_collectives:  # its gradients' all-reduces made where the trace sees them
-                collective_trace.watch_gradients(model)
-        if args.compile:
-            model = torch.compile(model)
-        # After the swap and the wrap: over the parameters the model has now. The learning rate, set at every
-        # step, peaks at --lr x global batch / 256: more processes, a larger global batch, a higher rate.
-        optimizer, scaler, ema = build_optimizer(model_without_ddp, args, ctx.device)  # ema: --ema's average
-        criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-        preemption.training = True  # from here a SIGTERM stops every rank after the same step, the position saved
-        # --resume: every rank restores the same optimizer state; a stopped epoch goes on after its last step.
-        progress = restore_training(checkpoint, optimizer, scaler, ema, train_loader, data.lost_files, args, ctx)
+    model = build_model(args, len(data.class_names), ctx)  # seeded: the same initial weights on every rank
+    if args.eval_only:
+        # all_reduce and all_gather: the weights --resume or --weights gives, evaluated; their report.
+        evaluate_only(model, checkpoint, val_loader, data, output_dir, args, ctx)
+        return
+    if checkpoint:
+        model.load_state_dict(checkpoint["model"])
+    if args.sync_bn and ctx.distributed:
+        # BatchNorm statistics over the global batch, not each rank's share: swapped in before the wrap.
+        if ctx.device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        else:
+            model = cpu_sync_batchnorm(model)  # torch's runs on GPUs only: the same sums, over gloo
+    model_without_ddp = model  # what is saved, evaluated and averaged: its weights load under any launcher
+    if ctx.distributed:
+        # all_gather of the parameter count and a broadcast of rank 0's shapes: DDP checks every rank has the
+        # same parameters; broadcast: rank 0's weights and buffers to every rank. backward() will all-reduce
+        # the gradients.
+        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        if args.trace_collectives:  # its gradients' all-reduces made where the trace sees them
+            collective_trace.watch_gradients(model)
+    if args.compile:
+        model = torch.compile(model)
+    # After the swap and the wrap: over the parameters the model has now. The learning rate, set at every
+    # step, peaks at --lr x global batch / 256: more processes, a larger global batch, a higher rate.
+    optimizer, scaler, ema = build_optimizer(model_without_ddp, args, ctx.device)  # ema: --ema's average
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    preemption.training = True  # from here a SIGTERM stops every rank after the same step, the position saved
+    # --resume: every rank restores the same optimizer state; a stopped epoch goes on after its last step.
+    progress = restore_training(checkpoint, optimizer, scaler, ema, train_loader, data.lost_files, args, ctx)
 
-        best = None
-        files = RunFiles(output_dir, plan, data.split, data.root, progress, model_without_ddp, optimizer, scaler, ema,
-                         ctx, began) if ctx.is_main else None
-        # Rank 0's files: config.json and the split written as it is entered, each epoch's beside the training.
-        with files or nullcontext():
-            for epoch in range(progress.epoch + 1, progress.last_epoch + 1):
-                if args.time_budget:
-                    # broadcast, once epoch 1 has run: rank 0's count of the epochs that fit (the crops follow it).
-                    progress.fit_epochs_to_budget(args, train_loader, output_dir, ctx)
-                    # broadcast: rank 0's clock decides for every rank whether this epoch runs.
-                    if not progress.budget_allows(epoch, args, ctx):
-                        break
-                train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-                # all_reduce: DDP's of the gradients in the backward() that closes each step, a small one at
-                # least every 20 steps (a NaN loss or a SIGTERM on any rank stops them all), and the epoch's loss
-                # and accuracy; --sync-bn: 4 per BatchNorm layer and batch on the CPU, an all_gather and an
-                # all_reduce on GPUs. broadcast: DDP's of rank 0's buffers in the forward of each step's first
-                # batch. One process on a GPU replays the step as a CUDA graph; a job of several GPUs steps
-                # eagerly (--cuda-graph on).
-                train_stats = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress,
-                                              args, ctx, ema, preemption.requested)
-                if train_stats["stopped_after"]:  # SIGTERM: every rank stopped after the same step
-                    save_position_and_exit(files, epoch, progress, train_stats, output_dir, ctx)  # barrier, exit 75
-                # broadcast: rank 0's BatchNorm statistics, so that every rank evaluates the weights it saves;
-                # all_reduce: exact, every image once.
-                evaluated = evaluate_epoch(model_without_ddp, val_loader, args, ctx, ema, data.recalibrate)
-                is_best = evaluated.better_acc > progress.best_acc
-                if is_best:
-                    best = (epoch, evaluated)
-                progress.finish_epoch(epoch, evaluated.better_acc, train_stats, evaluated.seconds)
-                # Rank 0 alone saves (torch.save, on a thread: save_atomic() in multi_train_utils/checkpoint.py);
-                # the others go on to their next collective.
-                if ctx.is_main:
-                    files.save_epoch(epoch, progress, train_stats, evaluated, is_best)
-                if args.trace_collectives:  # rank 0 prints where the ranks met in this epoch
-                    collective_trace.print_epoch(epoch, output_dir, ctx)
-            # all_reduce and all_gather: best.pth's report, from the outputs its epoch kept (a broadcast if it reloads).
-            report_on_best(model_without_ddp, val_loader, data, output_dir, args, ctx, best)
-
+    best = None
+    files = RunFiles(output_dir, plan, data.split, data.root, progress, model_without_ddp, optimizer, scaler, ema,
+                     ctx, began) if ctx.is_main else None
+    # Rank 0's files: config.json and the split written as it is entered, each epoch's beside the training.
+    with files or nullcontext():
+        for epoch in range(progress.epoch + 1, progress.last_epoch + 1):
+            if args.time_budget:
+                # broadcast, once epoch 1 has run: rank 0's count of the epochs that fit (the crops follow it).
+                progress.fit_epochs_to_budget(args, train_loader, output_dir, ctx)
+                # broadcast: rank 0's clock decides for every rank whether this epoch runs.
+                if not progress.budget_allows(epoch, args, ctx):
+                    break
+            train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+            # all_reduce: DDP's of the gradients in the backward() that closes each step, a small one at
+            # least every 20 steps (a NaN loss or a SIGTERM on any rank stops them all), and the epoch's loss
+            # and accuracy; --sync-bn: 4 per BatchNorm layer and batch on the CPU, an all_gather and an
+            # all_reduce on GPUs. broadcast: DDP's of rank 0's buffers in the forward of each step's first
+            # batch. One process on a GPU replays the step as a CUDA graph; a job of several GPUs steps
+            # eagerly (--cuda-graph on).
+            train_stats = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress,
+                                          args, ctx, ema, preemption.requested)
+            if train_stats["stopped_after"]:  # SIGTERM: every rank stopped after the same step
+                save_position_and_exit(files, epoch, progress, train_stats, output_dir, ctx)  # barrier, exit 75
+            # broadcast: rank 0's BatchNorm statistics, so that every rank evaluates the weights it saves;
+            # all_reduce: exact, every image once.
+            evaluated = evaluate_epoch(model_without_ddp, val_loader, args, ctx, ema, data.recalibrate)
+            is_best = evaluated.better_acc > progress.best_acc
+            if is_best:
+                best = (epoch, evaluated)
+            progress.finish_epoch(epoch, evaluated.better_acc, train_stats, evaluated.seconds)
+            # Rank 0 alone saves (torch.save, on a thread: save_atomic() in multi_train_utils/checkpoint.py);
+            # the others go on to their next collective.
+            if ctx.is_main:
+                files.save_epoch(epoch, progress, train_stats, evaluated, is_best)
+            if args.trace_collectives:  # rank 0 prints where the ranks met in this epoch
+                collective_trace.print_epoch(epoch, output_dir, ctx)
+        # all_reduce and all_gather: best.pth's report, from the outputs its epoch kept (a broadcast if it reloads).
+        report_on_best(model_without_ddp, val_loader, data, output_dir, args, ctx, best)
 
 
 if __name__ == "__main__":

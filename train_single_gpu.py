@@ -47,21 +47,23 @@ def main() -> None:
         plan = check_and_list_images(args, "single")  # options checked, images downloaded (--download) and listed
         if args.check:
             sys.exit(check(plan, None))
-        train(plan, process_context(None, args.device))  # the device, and this process's share of the cores
+        ctx = process_context(None, args.device)  # the device, and this process's share of the cores
+        output_dir = create_run_folder(plan, ctx)  # and the configuration printed
+        train(plan, ctx, output_dir)
 
 
-def train(plan, ctx) -> None:
+def train(plan, ctx, output_dir) -> None:
     """The whole run: `plan` is the checked command line and the images, `ctx` the one process's
     device: rank 0 of 1, no process group, so every collective the multi-GPU launchers make is
-    plain arithmetic here (a sum of one) or nothing."""
+    plain arithmetic here (a sum of one) or nothing. `output_dir`: the run folder."""
     args = plan.args
     began = time.perf_counter()
-    output_dir = create_run_folder(plan, ctx)  # and the configuration printed
     checkpoint = read_resume_checkpoint(args, output_dir, ctx)  # --resume's, or None
     data = build_datasets(plan, checkpoint, ctx)  # the unreadable files left out, the images split
     # A DistributedSampler of one replica: a new order of the training images every epoch,
     # as the multi-GPU launchers draw them.
-    train_sampler = DistributedSampler(data.train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed)
+    train_sampler = DistributedSampler(data.train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                                       seed=args.seed)
     train_loader, val_loader = data.loaders(train_sampler, args, ctx)  # validation: unpadded shards
 
     model = build_model(args, len(data.class_names), ctx)  # seeded: the same initial weights every run
@@ -71,7 +73,7 @@ def train(plan, ctx) -> None:
     if checkpoint:
         model.load_state_dict(checkpoint["model"])
     # One process: no SyncBatchNorm, no DistributedDataParallel; the multi-GPU launchers wrap the model here.
-    model_without_ddp = model  # what is saved, evaluated and averaged
+    model_without_ddp = model  # what is saved, evaluated and averaged: its weights load under any launcher
     if args.compile:
         model = torch.compile(model)
     # The learning rate, set at every step, peaks at --lr x batch / 256.
