@@ -148,10 +148,7 @@ def train(plan, ctx, output_dir) -> None:
             train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
             # all_reduce: DDP's of the gradients in the backward() that closes each step, a small one at
             # least every 20 steps (a NaN loss or a SIGTERM on any rank stops them all), and the epoch's loss
-            # and accuracy; --sync-bn: 4 per BatchNorm layer and batch on the CPU, an all_gather and an
-            # all_reduce on GPUs. broadcast: DDP's of rank 0's buffers in the forward of each step's first
-            # batch. One process on a GPU replays the step as a CUDA graph; a job of several GPUs steps
-            # eagerly (--cuda-graph on).
+            # and accuracy. broadcast: DDP's of rank 0's buffers in the forward of each step's first batch.
             train_stats = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress,
                                           args, ctx, ema, preemption.requested)
             if train_stats["stopped_after"]:  # SIGTERM: every rank stopped after the same step
