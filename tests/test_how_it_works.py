@@ -523,6 +523,16 @@ def test_the_page_states_its_reading_cost(page):
         assert abs(said - counted) <= counted / 10, (said, counted)
 
 
+def test_the_nine_stops_come_first_in_at_most_250_lines(page):
+    """The run's stops open the page, 1 to 9 in order, and take at most 250 lines; the reference
+    (skeleton, rule, meeting points, map) follows them."""
+    headings = [(n, line) for n, line in enumerate(page.splitlines()) if line.startswith("## ")]
+    stops = [(n, line) for n, line in headings if re.match(r"## \d\. ", line)]
+    assert [line[3] for _, line in stops] == [str(i) for i in range(1, 10)]
+    assert headings[:9] == stops, "the stops come before every other section"
+    assert headings[9][0] - stops[0][0] <= 250, headings[9][0] - stops[0][0]
+
+
 def test_readme_links_the_page_on_its_first_screen():
     first_screen = REPO.joinpath("README.md").read_text().split("\n## ", 1)[0]
     assert "(docs/how-it-works.md)" in first_screen
@@ -539,7 +549,7 @@ def test_readme_links_the_page_on_its_first_screen():
     (("`train_eval_utils.CHECK_EVERY`", "`train_eval_utils.CHECK_EVERY_STEPS`"), "not defined at the top"),
     (("`torch.optim.SGD`", "`torch.optim.SGDM`"), "not in torch"),
     (("`outputs/report.py`", "`multi_train_utils/reports.py`"), "no such file"),
-    (("`save_atomic()` in `multi_train_utils/checkpoint.py` writes", "`save_atomic()` in `outputs/run_folder.py` writes"),
+    (("`save_atomic()` in `multi_train_utils/checkpoint.py` calls", "`save_atomic()` in `outputs/run_folder.py` calls"),
      "`save_atomic()` is not defined in `outputs/run_folder.py`"),
     (("build_datasets()              multi_train_utils/loaders.py", "build_datasets()              multi_train_utils/config.py"),
      "map: build_datasets() is in none of multi_train_utils/config.py"),
@@ -548,7 +558,7 @@ def test_readme_links_the_page_on_its_first_screen():
     (("--world-size 2 --dist-url", "--world-sizes 2 --dist-url"), "unrecognized arguments: --world-sizes"),
     (("data/flower_photos_sample --epochs 1 --img-size 32 --no-plots --lr",
       "data/flower_photos --epochs 1 --img-size 32 --no-plots --lr"), "--data-path data/flower_photos: not a folder"),
-    (("train_single_gpu.py --device cpu", "train_single_gpu.py --device cuda"), "only with --device cpu"),
+    (("spawn.py --world-size 2 --device cpu", "spawn.py --world-size 2 --device cuda"), "only with --device cpu"),
     (("torchrun --nproc_per_node=2 --no-python", "torchrun --nproc-per-nodes=2 --no-python"), "torch.distributed.run"),
     (("process group: backend=gloo, world_size=2, threads",
       "process group joined: backend=gloo, world_size=2, threads"), "printed by nothing in the code"),
