@@ -61,13 +61,15 @@ def pytest_configure(config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0))
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if worker and len(cores) >= 2 * workers:
-        # `pytest -n N` (pytest-xdist, on a machine of many cores): each worker and every process
-        # it starts keeps to its own share of the cores, as on a small machine of its own, so that
-        # the jobs' threads and loader workers, sized from the cores they see, do not pile up.
+    if worker and len(cores) >= workers:
+        # `pytest -n N` (pytest-xdist): each worker and every process it starts keeps to its own
+        # share of the cores, as on a small machine of its own, so that the jobs' threads and
+        # loader workers, sized from the cores they see, do not pile up (OpenMP's threads spin
+        # while they wait: two sets on one core slow each other several-fold).
         share = len(cores) // workers
         index = int(worker.removeprefix("gw"))
         os.sched_setaffinity(0, cores[index * share:(index + 1) * share])
+        torch.set_num_threads(share)  # this process's own pool was sized when conftest imported torch
 
 
 @pytest.fixture(autouse=True)
