@@ -8,6 +8,7 @@ looks at it with every rank, all stop after the same step, rank 0 saves that pos
 Only the standard library here: each launcher sets the handler before it imports torch."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -26,9 +27,18 @@ class Preemption:
             return
         # Once is enough: this process is ending (srun --kill-on-bad-exit and torchrun send more).
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        sys.stderr.write("stopped: SIGTERM before training: this process ends here with 75; with --resume auto "
-                         "the run goes on from its last checkpoint, if it has one\n")
-        raise SystemExit(75)
+        try:
+            sys.stdout.flush()
+            sys.stderr.write("stopped: SIGTERM before training: this process ends here with 75; with --resume auto "
+                             "the run goes on from its last checkpoint, if it has one\n")
+            sys.stderr.flush()
+        except (OSError, RuntimeError, ValueError):  # a write the signal interrupted, or a closed stream
+            pass
+        # os._exit, not an exception: raised wherever the signal lands, SystemExit could cut short an
+        # import (torch's or numpy's, which then fails the process with exit 1: "cannot load module more
+        # than once per process") or importlib's own module locks (a process that never ends). Before
+        # training nothing is lost: the peers, the scheduler and torchrun see the 75.
+        os._exit(75)
 
     def requested(self) -> bool:
         return self.came
