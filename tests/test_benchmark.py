@@ -86,7 +86,11 @@ def test_profile_takes_a_step_apart(tmp_path):
     assert 0.3e9 < data["flop_per_image"] < 0.8e9
     assert data["images_per_sec"] > 0 and data["achieved_tflops"] >= 0
     assert max(data["kinds"], key=data["kinds"].get) == "convolution"  # the bulk of ResNet's arithmetic
-    assert {t["name"] for t in data["top"]} >= {"aten::convolution_backward", "aten::native_batch_norm"}
+    # The operators that took longest, longest first; which ones depends on the CPU's kernels (AVX2's
+    # fp32 or AVX-512's bf16 rank them differently), a convolution among them on any.
+    times = [t["ms_per_step"] for t in data["top"]]
+    assert times == sorted(times, reverse=True)
+    assert any(profile.kind_of(t["name"]) == "convolution" for t in data["top"]), data["top"]
 
 
 def test_kernels_and_operators_are_sorted_into_kinds():
