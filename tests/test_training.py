@@ -132,7 +132,16 @@ def test_amp_auto_follows_the_hardware(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
     assert autocast_dtype("auto", CPU) is None  # emulated bf16 would be slower than fp32
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     assert autocast_dtype("auto", CPU) == torch.bfloat16
+    # The instructions are there, but the kernels are held below them: they would emulate bf16.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert autocast_dtype("auto", CPU) is None
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert autocast_dtype("auto", CPU) == torch.bfloat16
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2
+    assert autocast_dtype("auto", CPU) is None
     with pytest.raises(SystemExit):
         get_args_parser("test").parse_args(["--amp", "fp8"])
 
