@@ -91,7 +91,7 @@ def test_rank_0_killed_in_training_ends_the_job_within_a_minute_and_is_named(lau
     store. Every other process ends within a minute, non-zero, and no process of the job is
     left, loader workers included (the default options); torchrun's summary and the spawn launcher name rank 0 (under srun, srun does:
     tests/test_slurm.py)."""
-    long = [*SMALL_MODEL, "--epochs", "30", "--batch-size", "2"]
+    long = [*SMALL_MODEL, "--epochs", "30"]
     marker = uuid.uuid4().hex
     if launcher == "env":
         procs = start_ranks(tmp_path, [0, 1], 2, *long, marker=marker, train=TRAIN_DEFAULT_WORKERS)
