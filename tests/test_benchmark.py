@@ -85,7 +85,9 @@ def test_profile_takes_a_step_apart(tmp_path):
     # multiply and add, about x 3 with the backward pass.
     assert 0.3e9 < data["flop_per_image"] < 0.8e9
     assert data["images_per_sec"] > 0 and data["achieved_tflops"] >= 0
-    assert max(data["kinds"], key=data["kinds"].get) == "convolution"  # the bulk of ResNet's arithmetic
+    # The bulk of ResNet's arithmetic. In fp32 at 32 px (a CPU without bf16), channels_last's copies of each
+    # weight's gradient into the weight's layout can take longer still: among the two largest kinds.
+    assert "convolution" in sorted(data["kinds"], key=data["kinds"].get, reverse=True)[:2], data["kinds"]
     # The operators that took longest, longest first; which ones depends on the CPU's kernels (AVX2's
     # fp32 or AVX-512's bf16 rank them differently), a convolution among them on any.
     times = [t["ms_per_step"] for t in data["top"]]

@@ -6,12 +6,14 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import REPO, SAMPLE, args_for, metrics, ok, sample_batch, train, train_here
+from test_launcher_page import EIGHT_STEPS, function_source
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import cpu_sync_batchnorm, create_model
@@ -40,10 +42,45 @@ def runs(tmp_path_factory):
     # The single launcher's process is not under test here (the original command lines' test
     # starts it, among others): its main() runs in this process.
     results["single"] = (root / "single", ok(train_here(root / "single", "--epochs", "2")))
+    # The torchrun run with a breakpoint on each line of the eight steps (tests/breakpoints/).
+    (root / "reached").mkdir()
+    breakpoints = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "breakpoints"),
+                                                               os.environ.get("PYTHONPATH")])),
+                   "BREAKPOINTS": ";".join(f"{path}:{line}" for _, _, path, line in step_lines()),
+                   "BREAKPOINTS_OUT": str(root / "reached")}
     for launcher, nproc in (("launch", 2), ("spawn", 3)):
         out = root / launcher
-        results[launcher] = (out, ok(train(launcher, out, "--epochs", "2", nproc=nproc)))
+        results[launcher] = (out, ok(train(launcher, out, "--epochs", "2", nproc=nproc,
+                                           env=breakpoints if launcher == "launch" else None)))
     return results
+
+
+def step_lines() -> list[tuple[str, str, Path, int]]:
+    """Each line of the eight steps (tests/test_launcher_page.py's table): the step, its call, file and line."""
+    found = []
+    for step, path, function, call in EIGHT_STEPS:
+        text = (REPO / path).read_text()
+        source = function_source(path, function) if function else text
+        start = text.index(source) + source.rindex(call)  # the last: a docstring may name the call first
+        line = text.count("\n", 0, start) + 1
+        assert call in text.splitlines()[line - 1].partition("#")[0], (step, line)  # code, not a comment
+        found.append((step, call, REPO / path, line))
+    return found
+
+
+@pytest.mark.slow
+def test_a_breakpoint_on_each_of_the_eight_steps_stops_a_default_run(runs):
+    """The torchrun run above (2 processes, the defaults but the sizes): a debugger's breakpoint on
+    each line of the eight steps is reached, on every rank; rank 0 alone saves. All but SyncBN's:
+    --sync-bn is off by default (tests/test_collective_trace.py's run with it records its all_reduce)."""
+    reached = {}
+    for written in (runs["launch"][0].parent / "reached").glob("*.json"):
+        record = json.loads(written.read_text())
+        reached.setdefault(record["rank"], set()).update(record["reached"])
+    for step, call, path, line in step_lines():
+        ranks = {rank for rank in ("0", "1") if f"{path}:{line}" in reached.get(rank, ())}
+        expected = set() if step == "SyncBatchNorm" else {"0"} if call == "torch.save(" else {"0", "1"}
+        assert ranks == expected, (step, f"{path.name}:{line}", ranks)
 
 
 @pytest.mark.slow

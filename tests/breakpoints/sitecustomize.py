@@ -1,0 +1,41 @@
+"""Breakpoints for a real run, put on every Python process of a job through PYTHONPATH (Python
+imports `sitecustomize` at start-up): BREAKPOINTS lists `path:line` pairs, and each process
+writes the ones it reached, as a debugger would have stopped there, to BREAKPOINTS_OUT/PID.json
+when it exits. Used by tests/test_distributed.py on the torchrun launcher's eight steps."""
+import atexit
+import json
+import os
+import sys
+import threading
+
+lines: dict[str, set[int]] = {}
+for spec in filter(None, os.environ.get("BREAKPOINTS", "").split(";")):
+    path, _, line = spec.rpartition(":")
+    lines.setdefault(path, set()).add(int(line))
+reached: set[str] = set()
+paths: dict[str, str] = {}  # a code object's file name: its absolute path
+
+
+def on_line(frame, event, arg):
+    if event == "line" and frame.f_lineno in lines[paths[frame.f_code.co_filename]]:
+        reached.add(f"{paths[frame.f_code.co_filename]}:{frame.f_lineno}")
+    return on_line
+
+
+def on_call(frame, event, arg):
+    """Line events for the files with breakpoints alone: elsewhere the run goes at its own pace."""
+    name = frame.f_code.co_filename
+    if name not in paths:
+        paths[name] = os.path.abspath(name)
+    return on_line if paths[name] in lines else None
+
+
+def write() -> None:
+    with open(os.path.join(os.environ["BREAKPOINTS_OUT"], f"{os.getpid()}.json"), "w") as f:
+        json.dump({"rank": os.environ.get("RANK"), "reached": sorted(reached)}, f)
+
+
+if lines:
+    sys.settrace(on_call)
+    threading.settrace(on_call)  # rank 0's checkpoint writer is a thread
+    atexit.register(write)
