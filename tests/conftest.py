@@ -89,6 +89,20 @@ def processes_on_the_cpu(request, monkeypatch) -> None:
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
+# The files whose real jobs take longest (docs/performance.md#the-test-suite), in that order. The
+# README's command (-n auto --dist loadfile --no-loadscope-reorder) hands whole files to the
+# workers in the order collected: these first, so that no long file starts while the other
+# workers run out of files (xdist's own order, most tests first, handed out the SLURM file last).
+LONGEST_FIRST = ["test_preemption.py", "test_slurm.py", "test_fault_matrix.py", "test_benchmark.py",
+                 "test_multinode.py", "test_distributed.py", "test_resume_split.py", "test_collective_trace.py",
+                 "test_faults.py", "test_compat.py", "test_check.py"]
+
+
+def pytest_collection_modifyitems(items) -> None:
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: a file's tests keep theirs
+
+
 def pytest_runtest_logreport(report) -> None:
     """With PYTEST_FAILURES_LOG=PATH, each failure's report is appended there as it happens
     (pytest's own summary comes only at the end, which a run cut off by a time limit never
