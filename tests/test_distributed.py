@@ -72,7 +72,8 @@ def step_lines() -> list[tuple[str, str, Path, int]]:
 def test_a_breakpoint_on_each_of_the_eight_steps_stops_a_default_run(runs):
     """The torchrun run above (2 processes, the defaults but the sizes): a debugger's breakpoint on
     each line of the eight steps is reached, on every rank; rank 0 alone saves. All but SyncBN's:
-    --sync-bn is off by default (tests/test_collective_trace.py's run with it records its all_reduce)."""
+    --sync-bn is off by default (tests/test_collective_trace.py's run with it records the all_reduce
+    of its statistics in each forward)."""
     reached = {}
     for written in (runs["launch"][0].parent / "reached").glob("*.json"):
         record = json.loads(written.read_text())
