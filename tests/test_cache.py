@@ -65,7 +65,7 @@ def test_one_machine_short_of_memory_stops_every_rank_with_the_same_error(tmp_pa
     room, instead of one leaving and the other waiting in a collective until the timeout."""
     started = time.monotonic()
     mp.spawn(_short_of_memory_on_rank_1, args=(find_free_port(), str(tmp_path), check), nprocs=2)
-    assert time.monotonic() - started < 40  # the group's timeout is 60 s
+    assert time.monotonic() - started < 60  # sooner than the group's timeout (60 s), whatever the machine's speed
     outcomes = [(tmp_path / str(rank)).read_text() for rank in (0, 1)]
     assert outcomes[0] == outcomes[1], outcomes
     assert outcomes[0].startswith("rank 1 on ") and f"--{check} " in outcomes[0] and "\n" not in outcomes[0]
