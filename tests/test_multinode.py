@@ -23,7 +23,12 @@ def finish(procs, timeout: float = 240, marker: str | None = None) -> list:
     results = []
     try:
         for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired as e:  # what the agent had said by then: where it waits
+                said = [text.decode() if isinstance(text, bytes) else text or "" for text in (e.output, e.stderr)]
+                raise AssertionError(f"agent {procs.index(proc)} still running after {timeout} s:\n"
+                                     f"{said[0][-2000:]}\n{said[1][-6000:]}") from None
             results.append((proc.returncode, out, err))
     finally:
         for proc in procs:
@@ -117,7 +122,7 @@ def test_two_agents_restart_after_a_worker_on_one_of_them_dies(tmp_path):
     none of the old attempt's keys), go on from last.pth, finish, and log each epoch once; no
     rank names a false cause."""
     endpoint = f"127.0.0.1:{find_free_port()}"
-    marker = "two-agents-" + tmp_path.name
+    marker = f"two-agents-{os.getpid()}-{tmp_path.name}"
     env = {**ONE_THREAD, "TEST_JOB_MARKER": marker}
     first = start(agent(tmp_path, marker, endpoint, "2", "--epochs", "3"), env=env)
     second = start(agent(tmp_path, marker, endpoint, "2", "--epochs", "3"), env=env)
