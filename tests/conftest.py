@@ -69,18 +69,11 @@ def pytest_configure(config) -> None:
         # share of the cores, as on a small machine of its own, so that the jobs' threads and
         # loader workers, sized from the cores they see, do not pile up (OpenMP's threads spin
         # while they wait: two sets on one core slow each other several-fold). More workers than
-        # cores share one core each, one math thread apiece, which do not spin.
+        # cores (`-n 4` on 2) share a core, one math thread apiece, which do not spin.
         share = max(1, len(cores) // workers)
         index = int(worker.removeprefix("gw")) % (len(cores) // share)
         os.sched_setaffinity(0, cores[index * share:(index + 1) * share])
         torch.set_num_threads(share)  # this process's own pool was sized when conftest imported torch
-
-
-def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: two workers a core. Much of a real job is waiting (an interpreter loading
-    torch, a rendezvous, SLURM's 30-second looks): one worker a core left a quarter of the CPU
-    idle. Two share a core, each job's processes one math thread apiece (docs/performance.md)."""
-    return 2 * len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2 * (os.cpu_count() or 1)
 
 
 @pytest.fixture(autouse=True)

@@ -25,10 +25,15 @@ def finish(procs, timeout: float = 240, marker: str | None = None) -> list:
         for proc in procs:
             try:
                 out, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired as e:  # what the agent had said by then: where it waits
-                said = [text.decode() if isinstance(text, bytes) else text or "" for text in (e.output, e.stderr)]
-                raise AssertionError(f"agent {procs.index(proc)} still running after {timeout} s:\n"
-                                     f"{said[0][-2000:]}\n{said[1][-6000:]}") from None
+            except subprocess.TimeoutExpired:  # what each agent had said: where they wait
+                for p in procs:
+                    kill_group(p)
+                for pid in processes_with_marker(marker) if marker else ():  # workers hold the pipes open
+                    os.kill(pid, signal.SIGKILL)
+                said = [(p.returncode, *p.communicate(timeout=30)) for p in procs[len(results):]]
+                raise AssertionError(f"agent {len(results)} still running after {timeout} s (then killed):" + "".join(
+                    f"\nagent {i}: exit {code}\n{out[-1500:]}\n{err[-4000:]}" for i, (code, out, err)
+                    in enumerate(results + said))) from None
             results.append((proc.returncode, out, err))
     finally:
         for proc in procs:
