@@ -30,7 +30,8 @@ def finish(procs, timeout: float = 240, marker: str | None = None) -> list:
                     kill_group(p)
                 for pid in processes_with_marker(marker) if marker else ():  # workers hold the pipes open
                     os.kill(pid, signal.SIGKILL)
-                said = [(p.returncode, *p.communicate(timeout=30)) for p in procs[len(results):]]
+                said = [(*p.communicate(timeout=30), p) for p in procs[len(results):]]  # then their exit codes
+                said = [(p.returncode, out, err) for out, err, p in said]
                 raise AssertionError(f"agent {len(results)} still running after {timeout} s (then killed):" + "".join(
                     f"\nagent {i}: exit {code}\n{out[-1500:]}\n{err[-4000:]}" for i, (code, out, err)
                     in enumerate(results + said))) from None
