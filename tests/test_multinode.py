@@ -20,27 +20,26 @@ pytestmark = pytest.mark.slow
 
 
 def finish(procs, timeout: float = 240, marker: str | None = None) -> list:
-    results = []
+    results, late = [], None
     try:
         for proc in procs:
             try:
                 out, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:  # what each agent had said: where they wait
-                for p in procs:
-                    kill_group(p)
-                for pid in processes_with_marker(marker) if marker else ():  # workers hold the pipes open
-                    os.kill(pid, signal.SIGKILL)
-                said = [(*p.communicate(timeout=30), p) for p in procs[len(results):]]  # then their exit codes
-                said = [(p.returncode, out, err) for out, err, p in said]
-                raise AssertionError(f"agent {len(results)} still running after {timeout} s (then killed):" + "".join(
-                    f"\nagent {i}: exit {code}\n{out[-1500:]}\n{err[-4000:]}" for i, (code, out, err)
-                    in enumerate(results + said))) from None
+            except subprocess.TimeoutExpired:
+                late = len(results)
+                break
             results.append((proc.returncode, out, err))
     finally:
         for proc in procs:
             kill_group(proc)
         for pid in processes_with_marker(marker) if marker else ():  # torchrun's workers have sessions of their own
             os.kill(pid, signal.SIGKILL)
+    if late is not None:  # what each agent had said, and its exit code once killed: where they wait
+        for proc in procs[late:]:
+            out, err = proc.communicate(timeout=30)
+            results.append((proc.returncode, out, err))
+        raise AssertionError(f"agent {late} still running after {timeout} s (then killed):" + "".join(
+            f"\nagent {i}: exit {code}\n{out[-1500:]}\n{err[-4000:]}" for i, (code, out, err) in enumerate(results)))
     for code, out, err in results:
         assert code == 0, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
     return results
