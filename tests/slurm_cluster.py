@@ -17,8 +17,8 @@ from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 # More CPUs than these machines have (SlurmdParameters=config_overrides lets the node declare
-# them): four tasks, each with its loader worker's CPU, as on a GPU node.
-NODE_CPUS = 8
+# them): two tasks, each with its loader worker's CPU, as on a GPU node.
+NODE_CPUS = 4
 # A requeued job waits cred_expire + 1 seconds before it starts again, until the node has
 # forgotten its old credential (120 s by default; one made to start sooner, by `scontrol update
 # StartTime=now`, is killed with "Job credential revoked" and ends FAILED). 15 s still covers a

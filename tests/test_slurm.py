@@ -1,10 +1,11 @@
 """The repository's flowers.sbatch under a real SLURM (tests/slurm_cluster.py), fitted to one
-node of 4 CPU tasks and run with the default loader workers: the time limit's warning (the
+node of 2 CPU tasks and run with the default loader workers: the time limit's warning (the
 script's --signal=TERM@N) stops every task after the same step, the job requeues itself and
 goes on from that step, until a task killed ends the job, srun naming it; a plain scancel
 leaves the position for a new job, which ends the run. Skipped, with the reason, where SLURM cannot start."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -20,8 +21,8 @@ from slurm_cluster import start_cluster
 
 from multi_train_utils.checkpoint import load_checkpoint
 
-TASKS = 4
-# The tasks' options past the script's own: small and quick, 3 steps of 8 images per task and epoch.
+TASKS = 2
+# The tasks' options past the script's own: small and quick, 6 steps of 8 images per task and epoch.
 SMALL = ["--img-size", "32", "--batch-size", "8", "--no-plots", *SMALL_MODEL]
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
@@ -99,12 +100,15 @@ def test_the_time_limits_warning_requeues_the_job_which_goes_on_and_a_killed_tas
     of the job step. slurmctld looks at time limits every 30 s and sends the warning at the first
     look less than N + 30 s before the limit (measured here): with a 2-minute limit and TERM@60,
     30 to 60 s into the job. The job has more epochs than any of these machines trains in that
-    time, so the warning finds it training whatever the machine's speed. Every task stops after
-    the same step, the script requeues the job, and the job, given a longer limit while it
-    waits, goes on from that step. Then rank 0 is SIGKILLed in training (it hosts the store):
+    time, and once epoch 1 is logged its tasks are held (hold_until_the_warning): the warning
+    finds them in training whatever the machine's speed. Every task stops after the same step,
+    the script requeues the job, and the job, given a longer limit while it waits, goes on from
+    that step. Then rank 0 is SIGKILLed in training (it hosts the store):
     srun names the task, --kill-on-bad-exit ends the others, and the job fails within a minute,
     last.pth intact."""
     job, run, output = submit(cluster, tmp_path, epochs=1000, limit=("00:02:00", 60))
+    wait_for(cluster, job, output, lambda f: epochs_logged(run) >= 1, "epoch 1")
+    hold_until_the_warning(cluster, job)
     wait_for(cluster, job, output, lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1", "the requeue",
              timeout=240)
     # Not again in the second attempt: what a user would do for a job that needs more time.
@@ -157,6 +161,47 @@ def test_a_plain_scancel_saves_the_position_and_a_new_job_goes_on_from_it(cluste
     assert not [line for line in log.splitlines() if line.startswith("error:")], log[-4000:]
     assert [m["epoch"] for m in metrics(run)] == [1, 2]  # each epoch logged once
     assert load_checkpoint(run / "last.pth")["epoch"] == 2
+
+
+def hold_until_the_warning(cluster, job: str) -> None:
+    """Stop the job's training processes (SIGSTOP) until SLURM's warning comes, then let them go
+    on (SIGCONT), to take it as they would have in training: the 30 to 60 s wait for it then
+    costs none of the CPU the rest of the suite needs (about 90 CPU-s on 2 cores). slurmstepd
+    sends a SIGCONT with its signal (seen here: the processes went on by themselves, the SIGTERM
+    taken); a SIGTERM pending in each also ends the hold. Only where the job has run less than
+    25 s, so that the warning is still to come; and 50 s at most, well before the time limit."""
+    hours, minutes, seconds = map(int, cluster.job(job)["RunTime"].split("-")[-1].split(":"))
+    if hours * 3600 + minutes * 60 + seconds >= 25:
+        return
+    pids = [task_pid(job, rank) for rank in range(TASKS)]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not all(stopped(pid) for pid in pids):
+            time.sleep(0.1)
+        deadline = time.monotonic() + 50
+        while time.monotonic() < deadline and all(stopped(pid) for pid in pids):
+            if all(sigterm_pending(pid) for pid in pids):
+                break
+            time.sleep(0.5)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def sigterm_pending(pid: int) -> bool:
+    """Whether a SIGTERM waits in the process: its bit in the pending sets /proc shows."""
+    fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    return bool((int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)) & (1 << (signal.SIGTERM - 1)))
+
+
+def stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
 
 
 def task_pid(job: str, rank: int) -> int:
