@@ -56,34 +56,36 @@ from utils import exit_on_error
 
 
 @record  # torchrun's failure summary then shows each failed process's own error
+@exit_on_error()  # our own errors: one `error:` line and an exit code, no traceback; Ctrl-C: 130
 def main() -> None:
-    with exit_on_error():
-        args = read_command_line("launch", __doc__)
-        # Before any collective, so that a mistake is one clear error: the options checked, the images
-        # downloaded (--download) and listed, torchrun's (or srun's) ranks read.
-        plan = check_and_list_images(args, "launch")
-        if args.check:  # diagnose instead of training
-            sys.exit(check(plan, plan.ranks))  # its own group; all_gather, broadcast, all_reduce
-        if args.trace_collectives:  # every collective from here on recorded, with the line below that led to it
-            collective_trace.start(__file__)
-        ctx = process_context(plan.ranks, args.device, args.backend)  # on GPUs, its local rank's; its cores
-        if ctx.distributed:
-            # init_process_group: complete once every rank has joined (gloo connects to each peer; NCCL,
-            # given device_id, its communicator). NCCL on GPUs, gloo on the CPU; a peer missing, dead or stuck
-            # becomes an error after --dist-timeout. job_store: where they meet (torchrun's agent's store).
-            dist.init_process_group(ctx.backend, store=job_store(plan.ranks, args.dist_timeout),
-                                    rank=ctx.rank, world_size=ctx.world_size,
-                                    timeout=datetime.timedelta(seconds=args.dist_timeout),
-                                    device_id=ctx.device if ctx.device.type == "cuda" else None)
-            ctx.print0(f"process group: backend={dist.get_backend()}, world_size={ctx.world_size}, "
-                       f"threads per process={torch.get_num_threads()}")
-        try:
-            output_dir = create_run_folder(plan, ctx)  # broadcast: rank 0 creates it (and prints the configuration)
-            with collective_trace.kept(output_dir, ctx):  # --trace-collectives: each rank's list, however it ends
-                train(plan, ctx, output_dir)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+    args = read_command_line("launch", __doc__)
+    # Before any collective, so that a mistake is one clear error: the options checked, the images
+    # downloaded (--download) and listed, torchrun's (or srun's) ranks read.
+    plan = check_and_list_images(args, "launch")
+    if args.check:  # diagnose instead of training
+        sys.exit(check(plan, plan.ranks))  # its own group; all_gather, broadcast, all_reduce
+    if args.trace_collectives:  # every collective from here on recorded, with the line below that led to it
+        collective_trace.start(__file__)
+    ctx = process_context(plan.ranks, args.device, args.backend)  # on GPUs, its local rank's; its cores
+    if ctx.distributed:
+        # init_process_group: complete once every rank has joined (gloo connects to each peer; NCCL,
+        # given device_id, its communicator). NCCL on GPUs, gloo on the CPU; a peer missing, dead or stuck
+        # becomes an error after --dist-timeout. job_store: where they meet (torchrun's agent's store).
+        dist.init_process_group(ctx.backend, store=job_store(plan.ranks, args.dist_timeout),
+                                rank=ctx.rank, world_size=ctx.world_size,
+                                timeout=datetime.timedelta(seconds=args.dist_timeout),
+                                device_id=ctx.device if ctx.device.type == "cuda" else None)
+        ctx.print0(f"process group: backend={dist.get_backend()}, world_size={ctx.world_size}, "
+                   f"threads per process={torch.get_num_threads()}")
+    output_dir = None
+    try:
+        output_dir = create_run_folder(plan, ctx)  # broadcast: rank 0 creates it (and prints the configuration)
+        train(plan, ctx, output_dir)
+    finally:
+        if args.trace_collectives and output_dir is not None:  # each rank's list, however the run ended
+            collective_trace.write(output_dir, ctx)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def train(plan, ctx, output_dir) -> None:

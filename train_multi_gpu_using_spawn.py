@@ -100,11 +100,13 @@ def worker(rank: int, plan) -> None:
         ctx.print0(f"process group: backend={dist.get_backend()}, world_size={ctx.world_size}, "
                    f"rendezvous={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}, "
                    f"threads per process={torch.get_num_threads()}")
+        output_dir = None
         try:
             output_dir = create_run_folder(plan, ctx)  # broadcast: rank 0 creates it (and prints the configuration)
-            with collective_trace.kept(output_dir, ctx):  # --trace-collectives: each rank's list, however it ends
-                train(plan, ctx, output_dir)
+            train(plan, ctx, output_dir)
         finally:
+            if args.trace_collectives and output_dir is not None:  # each rank's list, however the run ended
+                collective_trace.write(output_dir, ctx)
             dist.destroy_process_group()
 
 

@@ -41,15 +41,15 @@ from outputs.run_folder import RunFiles, create_run_folder, read_resume_checkpoi
 from utils import exit_on_error
 
 
+@exit_on_error()  # our own errors: one `error:` line and an exit code, no traceback; Ctrl-C: 130
 def main() -> None:
-    with exit_on_error():
-        args = read_command_line("single", __doc__)
-        plan = check_and_list_images(args, "single")  # options checked, images downloaded (--download) and listed
-        if args.check:
-            sys.exit(check(plan, None))
-        ctx = process_context(None, args.device)  # the device, and this process's share of the cores
-        output_dir = create_run_folder(plan, ctx)  # and the configuration printed
-        train(plan, ctx, output_dir)
+    args = read_command_line("single", __doc__)
+    plan = check_and_list_images(args, "single")  # options checked, images downloaded (--download) and listed
+    if args.check:
+        sys.exit(check(plan, None))
+    ctx = process_context(None, args.device)  # the device, and this process's share of the cores
+    output_dir = create_run_folder(plan, ctx)  # and the configuration printed
+    train(plan, ctx, output_dir)
 
 
 def train(plan, ctx, output_dir) -> None:

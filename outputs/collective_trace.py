@@ -24,13 +24,11 @@ steps eagerly (docs/how-it-works.md).
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import os
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,20 +149,17 @@ def print_epoch(epoch: int, output_dir: Path, ctx: Any) -> None:
         print("\n".join(_trace.grouped(title, output_dir)), flush=True)
 
 
-@contextlib.contextmanager
-def kept(output_dir: Path, ctx: Any) -> Iterator[None]:
-    """Meanwhile nothing; at the end, however the run ends, each rank writes its list, and rank
-    0 prints what came after its last epoch (the report's collectives)."""
+def write(output_dir: Path, ctx: Any) -> None:
+    """At the end, however the run ended: each rank writes its list, and rank 0 prints what
+    came after its last epoch (the report's collectives)."""
+    if _trace is None:
+        return
     try:
-        yield
-    finally:
-        if _trace is not None:
-            try:
-                _trace.write(output_dir, ctx.rank)
-            except OSError as e:  # a full or lost disk: the run's own error, if any, is the one to report
-                print(f"warning: rank {ctx.rank} could not write its list of collectives: {e}", file=sys.stderr)
-            if ctx.is_main and _trace.printed < len(_trace.made):
-                print("\n".join(_trace.grouped("collectives after the epochs", output_dir)), flush=True)
+        _trace.write(output_dir, ctx.rank)
+    except OSError as e:  # a full or lost disk: the run's own error, if any, is the one to report
+        print(f"warning: rank {ctx.rank} could not write its list of collectives: {e}", file=sys.stderr)
+    if ctx.is_main and _trace.printed < len(_trace.made):
+        print("\n".join(_trace.grouped("collectives after the epochs", output_dir)), flush=True)
 
 
 def _recorded(name: str, function: Any) -> Any:

@@ -154,3 +154,34 @@ def test_the_eight_steps_are_in_the_launcher_and_three_files_of_the_core():
     assert (int(stated[1]), int(stated[2])) == (read, len(files))
     # On a GPU the step is a replayed graph: the function and the page say so where the step is.
     assert "replayed" in function_source("multi_train_utils/train_eval_utils.py", "train_one_epoch")
+
+
+# The `with` and `try` blocks a launcher's epoch loop runs in, from the function that starts the
+# process (main(), the spawn launcher's worker()) through train(): the process group's teardown,
+# rank 0's files. The spawn launcher's worker adds one: its errors name its rank (exit_on_error(rank)).
+DEPTH = {"train_multi_gpu_using_launch.py": 2, "train_single_gpu.py": 1, "train_multi_gpu_using_spawn.py": 3}
+
+
+def loop_depth(source: str) -> int:
+    """The `with` and `try` statements around train()'s `for epoch` loop, and around the call of
+    train() in the function that makes it."""
+    functions = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
+    loop = next(n for n in ast.walk(functions["train"]) if isinstance(n, ast.For) and ast.unparse(n.target) == "epoch")
+    caller, call = next((f, n) for f in functions.values() for n in ast.walk(f)
+                        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "train")
+
+    def around(function: ast.FunctionDef, target: ast.AST) -> int:
+        return sum(isinstance(n, (ast.With, ast.Try)) and any(c is target for c in ast.walk(n)) for n in ast.walk(function))
+    return around(functions["train"], loop) + around(caller, call)
+
+
+@pytest.mark.parametrize("launcher", sorted(DEPTH))
+def test_the_epoch_loop_runs_in_few_with_and_try_blocks(launcher):
+    assert loop_depth((REPO / launcher).read_text()) <= DEPTH[launcher]
+
+
+def test_the_depth_sees_a_block_more():
+    source = (REPO / LAUNCHER).read_text()
+    wrapped = source.replace("        train(plan, ctx, output_dir)\n",
+                             "        with nullcontext():\n            train(plan, ctx, output_dir)\n")
+    assert wrapped != source and loop_depth(wrapped) == loop_depth(source) + 1
