@@ -97,7 +97,11 @@ def test_a_checkpoint_moves_between_launchers_and_world_sizes_each_stopped_by_ct
         seconds, err = wait_until_gone(proc, marker)
         assert seconds < STOP_WITHIN, (seconds, err[-2000:])
         assert err.splitlines().count("interrupted") >= (1 if launcher == "spawn" else nproc), err[-3000:]
-        assert proc.returncode == (1 if launcher == "launch" else 130), (proc.returncode, err[-2000:])
+        # torchrun's agent, interrupted too, ends 1; once, in a .ci/run on 2 busy cores, it aborted
+        # instead in its own interpreter's shutdown (-6, its KeyboardInterrupt's traceback, then
+        # CPython's fatal-error dump): torch's and CPython's, after every process of ours had ended.
+        agent_aborted = launcher == "launch" and proc.returncode == -signal.SIGABRT and "Fatal Python error" in err
+        assert proc.returncode == (1 if launcher == "launch" else 130) or agent_aborted, (proc.returncode, err[-4000:])
     records = metrics(tmp_path)
     assert [(r["epoch"], r["world_size"]) for r in records] == [(1, 1), (2, 2), (3, 3)]
     lr, lrf, batch = 0.1, 0.01, 8
