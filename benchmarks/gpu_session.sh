@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements and checks of docs/performance.md and docs/troubleshooting.md, as run on a
 # lent GPU machine in calls of under ten minutes (`bash benchmarks/gpu_session.sh 1`, then `... 2`
-# in the first loan; `3`, then `4`, in the second; `5` in the third; `6` next): each step is cut by its own time limit, so that
+# in the first loan; `3`, then `4`, in the second; `5` in the third; `6` next; `7`, then `8`,
+# after the launchers' rewrite): each step is cut by its own time limit, so that
 # a call ends inside its lease, and each writes its result under $OUT as it finishes (parts 3 and 4:
 # the JSON results in $OUT/results.tar, refreshed after every step). DATA: the 800-photo
 # development folder.
@@ -12,14 +13,19 @@ PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 step() { echo; echo "=== $(date +%T) $*"; }
+# The GPU, its driver and clocks, the Python packages, the CPUs and the commit: each part's first step.
+machine() {
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+    $PY -c "import sys, torch, torchvision; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda',
+torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'nccl', torch.cuda.nccl.version(), 'torchvision',
+torchvision.__version__)"
+    lscpu | grep -E '^(Model name|CPU\(s\))'
+    git log -1 --format=%h 2>/dev/null
+}
 
 if [ "$1" = 1 ]; then
     step "machine"
-    { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-      $PY -c "import sys, torch, torchvision; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda',
-torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'nccl', torch.cuda.nccl.version(), 'torchvision',
-torchvision.__version__)"
-      lscpu | grep -E '^(Model name|CPU\(s\))'; } 2>&1 | tee "$OUT/machine.txt"
+    machine 2>&1 | tee "$OUT/machine.txt"
 
     step "the GPU tests of the graphed step and of nvJPEG"
     timeout 110 $PY -m pytest tests/test_gpu.py -v -p no:cacheprovider --timeout 90 \
@@ -85,11 +91,7 @@ keep() { mkdir -p "$R"; tar -cf "$OUT/results.tar" -C "$R" . ; }
 if [ "$1" = 3 ]; then
     mkdir -p "$R"
     step "machine"
-    { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
-      $PY -c "import sys, torch, torchvision; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda',
-torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'nccl', torch.cuda.nccl.version(), 'torchvision',
-torchvision.__version__)"
-      lscpu | grep -E '^(Model name|CPU\(s\))'; } 2>&1 | tee "$R/machine.txt"; keep
+    machine 2>&1 | tee "$R/machine.txt"; keep
 
     step "the step of 16 profiled: graphed (the default), eager, graphed in NCHW"
     for v in "graph:" "eager:--cuda-graph off" "graph-nchw:--no-channels-last"; do
@@ -133,11 +135,7 @@ fi
 if [ "$1" = 5 ]; then
     mkdir -p "$R"
     step "machine"
-    { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-      $PY -c "import sys, torch, torchvision; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda',
-torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'nccl', torch.cuda.nccl.version(), 'torchvision',
-torchvision.__version__)"
-      lscpu | grep -E '^(Model name|CPU\(s\))'; } 2>&1 | tee "$R/machine.txt"; keep
+    machine 2>&1 | tee "$R/machine.txt"; keep
 
     step "--trace-collectives under torchrun with NCCL"
     timeout 120 $PY -m pytest tests/test_gpu.py -v -s -p no:cacheprovider --timeout 110 -k "recorder" 2>&1 \
@@ -160,4 +158,47 @@ if [ "$1" = 6 ]; then
     step "time to the original's 10-epoch accuracy: the seed recipe beside the defaults"
     timeout 400 $PY -m benchmarks endtoend --data-path "$DATA" --images 3670 --epochs 10 --batch-size 16 \
         --repeats 1 --variant '' --out "$OUT/endtoend-to-target.json" 2>&1 | grep -v Warning | tail -12
+fi
+
+# Part 7: after the launchers' rewrite (torch's own rendezvous and process group): every GPU test,
+# a breakpoint on each of the eight steps in a default torchrun run on the GPU (NCCL, the graphed
+# step), and the 10-epoch job beside the original recipe, in one call; each result into $OUT.
+if [ "$1" = 7 ]; then
+    step "machine"
+    machine 2>&1 | tee "$OUT/machine.txt"
+
+    # The GPU tests but the four slowest to start processes (part 8): all 22 take about 400 s there.
+    step "the GPU tests, but the four of part 8"
+    timeout 240 $PY -m pytest tests/test_gpu.py -v -p no:cacheprovider --timeout 150 --durations=8 \
+        -k "not (throughput or recorder or nccl_stages or sigterm)" > "$OUT/gpu-tests.log" 2>&1
+    grep -E "(PASSED|FAILED|ERROR|passed|failed)" "$OUT/gpu-tests.log" | tail -30
+
+    step "a breakpoint on each line of the eight steps: torchrun's defaults on the GPU (tests/breakpoints/)"
+    rm -rf /tmp/bp; mkdir -p /tmp/bp/reached
+    BREAKPOINTS=$(cd tests && $PY -c "from test_distributed import step_lines
+print(';'.join(f'{p}:{l}' for _, _, p, l in step_lines()))") || exit 1
+    PYTHONPATH=tests/breakpoints BREAKPOINTS="$BREAKPOINTS" BREAKPOINTS_OUT=/tmp/bp/reached timeout 90 \
+        torchrun --nproc_per_node=1 train_multi_gpu_using_launch.py --data-path data/flower_photos_sample \
+        --epochs 3 --output-dir /tmp/bp/run > "$OUT/breakpoints.log" 2>&1; echo "torchrun exit code $?" | tee -a "$OUT/breakpoints.log"
+    grep -E "^(precision|epoch 3/3)" "$OUT/breakpoints.log" | head -5
+    (cd tests && $PY -c "
+import json, pathlib
+from test_distributed import step_lines
+reached = {}
+for f in pathlib.Path('/tmp/bp/reached').glob('*.json'):
+    r = json.loads(f.read_text()); reached.setdefault(r['rank'], set()).update(r['reached'])
+for step, call, path, line in step_lines():
+    print(f'{step:26} {path.name}:{line:<4} {call:50} ranks {sorted(k for k, v in reached.items() if f\"{path}:{line}\" in v)}')
+") 2>&1 | tee "$OUT/breakpoints.txt"
+
+    step "time to the original's 10-epoch accuracy: the seed recipe beside the defaults"
+    timeout 200 $PY -m benchmarks endtoend --data-path "$DATA" --images 3670 --epochs 10 --batch-size 16 \
+        --repeats 1 --variant '' --out "$OUT/endtoend.json" 2>&1 | grep -v Warning | tee "$OUT/endtoend.log" | tail -12
+fi
+
+# Part 8: the other four GPU tests: the throughput benchmark, the recorder and --check on NCCL,
+# SIGTERM to torchrun under NCCL with the default loader workers.
+if [ "$1" = 8 ]; then
+    timeout 300 $PY -m pytest tests/test_gpu.py -v -p no:cacheprovider --timeout 110 --durations=5 \
+        -k "throughput or recorder or nccl_stages or sigterm" 2>&1 | tee "$OUT/gpu-tests-rest.log"
 fi
