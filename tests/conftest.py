@@ -2,7 +2,7 @@
 it wrote, build odd image folders.
 
 Tests that start processes (launchers, process groups, benchmarks, a `--help`) or train a
-run are marked `slow`; `python -m pytest tests -m "not slow"` runs the rest in under a minute."""
+run are marked `slow`; `python -m pytest tests -m "not slow" -n auto` runs the rest in under a minute."""
 from __future__ import annotations
 
 import argparse
