@@ -182,11 +182,9 @@ print(';'.join(f'{p}:{l}' for _, _, p, l in step_lines()))") || exit 1
         --epochs 3 --output-dir /tmp/bp/run > "$OUT/breakpoints.log" 2>&1; echo "torchrun exit code $?" | tee -a "$OUT/breakpoints.log"
     grep -E "^(precision|epoch 3/3)" "$OUT/breakpoints.log" | head -5
     (cd tests && $PY -c "
-import json, pathlib
-from test_distributed import step_lines
-reached = {}
-for f in pathlib.Path('/tmp/bp/reached').glob('*.json'):
-    r = json.loads(f.read_text()); reached.setdefault(r['rank'], set()).update(r['reached'])
+import pathlib
+from test_distributed import reached_by_rank, step_lines
+reached = reached_by_rank(pathlib.Path('/tmp/bp/reached'))
 for step, call, path, line in step_lines():
     print(f'{step:26} {path.name}:{line:<4} {call:50} ranks {sorted(k for k, v in reached.items() if f\"{path}:{line}\" in v)}')
 ") 2>&1 | tee "$OUT/breakpoints.txt"

@@ -68,16 +68,23 @@ def step_lines() -> list[tuple[str, str, Path, int]]:
     return found
 
 
+def reached_by_rank(folder: Path) -> dict[str, set[str]]:
+    """The `path:line` breakpoints each rank reached, from the records tests/breakpoints/ wrote in `folder`
+    (benchmarks/gpu_session.sh reads a GPU run's with it too)."""
+    reached: dict[str, set[str]] = {}
+    for written in folder.glob("*.json"):
+        record = json.loads(written.read_text())
+        reached.setdefault(record["rank"], set()).update(record["reached"])
+    return reached
+
+
 @pytest.mark.slow
 def test_a_breakpoint_on_each_of_the_eight_steps_stops_a_default_run(runs):
     """The torchrun run above (2 processes, the defaults but the sizes): a debugger's breakpoint on
     each line of the eight steps is reached, on every rank; rank 0 alone saves. All but SyncBN's:
     --sync-bn is off by default (tests/test_collective_trace.py's run with it records the all_reduce
     of its statistics in each forward)."""
-    reached = {}
-    for written in (runs["launch"][0].parent / "reached").glob("*.json"):
-        record = json.loads(written.read_text())
-        reached.setdefault(record["rank"], set()).update(record["reached"])
+    reached = reached_by_rank(runs["launch"][0].parent / "reached")
     for step, call, path, line in step_lines():
         ranks = {rank for rank in ("0", "1") if f"{path}:{line}" in reached.get(rank, ())}
         expected = set() if step == "SyncBatchNorm" else {"0"} if call == "torch.save(" else {"0", "1"}
