@@ -27,7 +27,8 @@ def restore_training(checkpoint: dict[str, Any] | None, optimizer: torch.optim.O
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
         lay_out_momentum_as_parameters(optimizer)
-        scaler.load_state_dict(checkpoint["scaler"])
+        if checkpoint["scaler"]:  # empty from a run without fp16's loss scaling: this run's scale starts afresh
+            scaler.load_state_dict(checkpoint["scaler"])  # a no-op where this run has none
         if ema is not None:  # a run that turns --ema on when it resumes starts the average from the weights
             ema.module.load_state_dict(checkpoint.get("ema", checkpoint["model"]))
         progress = progress_of(checkpoint)

@@ -34,7 +34,8 @@ import train_single_gpu
 from model import create_model
 from multi_train_utils.checkpoint import Progress, load_checkpoint, make_checkpoint, save_atomic
 from multi_train_utils.distributed_utils import init_distributed, teardown
-from multi_train_utils.distributed_utils import Ranks, find_free_port
+from multi_train_utils.distributed_utils import DistContext, Ranks, find_free_port
+from multi_train_utils.resume import restore_training
 
 def _save_forever(path: str) -> None:
     ramp = torch.arange(4_000_000, dtype=torch.float64)  # 32 MB: each save takes a while, so kills land mid-write
@@ -222,3 +223,23 @@ def test_a_dropped_batch_handover_prints_no_traceback_in_a_loader_worker(setup):
     assert result.returncode == 0, result.stderr
     # Without our worker setup the same drop is a traceback: the check has teeth.
     assert ("Traceback" in result.stderr) == (setup == "plain"), result.stderr
+
+
+@pytest.mark.parametrize("saved_with", ["fp32", "fp16"])
+def test_a_checkpoint_resumes_under_fp16_whatever_precision_saved_it(saved_with):
+    """A run moved to a GPU without bf16 (or given --amp fp16) resumes a bf16 or fp32 run's
+    checkpoint, whose loss scaler was off and saved nothing: its own scale starts afresh. An
+    fp16 run's scale is carried over."""
+    model = create_model(5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    saving = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=saved_with == "fp16")
+    checkpoint = make_checkpoint(model, optimizer, saving, Progress(1, 0.2), argparse.Namespace(),
+                                 ["daisy", "dandelion", "roses", "sunflowers", "tulips"], world_size=1)
+    args = argparse.Namespace(batch_size=8, accum_steps=1, epochs=3, time_budget=None)
+    for enabled in (True, False):
+        scaler = torch.amp.GradScaler("cpu", enabled=enabled)
+        progress = restore_training({**checkpoint, "loaded_from": "last.pth"}, optimizer, scaler, None, [0] * 4,
+                                    False, args, DistContext.single())
+        assert progress.epoch == 1
+        if enabled:
+            assert scaler.get_scale() == (1024.0 if saved_with == "fp16" else 65536.0)
