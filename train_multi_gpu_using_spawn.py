@@ -116,7 +116,7 @@ def train(plan, ctx, output_dir) -> None:
     args = plan.args
     began = time.perf_counter()
     # --resume's checkpoint, read by every rank (a broadcast under --resume auto: whether rank 0 found last.pth;
-    # resuming, an all_gather: every rank read the same position).
+    # resuming, an all_gather: every rank read it, at the same position).
     checkpoint = read_resume_checkpoint(args, output_dir, ctx)
     # all_gather: the unreadable files each rank found, so all split alike (resuming: two broadcasts instead,
     # rank 0's view of split.json, then its verdict). --cache and --device-augment add theirs (the tour's table).

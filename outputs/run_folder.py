@@ -53,20 +53,29 @@ def create_run_folder(plan: Plan, ctx: DistContext) -> Path:
 def read_resume_checkpoint(args: argparse.Namespace, output_dir: Path, ctx: DistContext) -> dict[str, Any] | None:
     """The checkpoint the run goes on from (--resume PATH, or for `auto` the run folder's
     last.pth if rank 0 finds one), read by every rank itself (on several machines: from a
-    shared file system); None for a new run. Collective, under --resume auto only: a broadcast
-    of whether rank 0 found last.pth, so that every rank reads it, or none, even if it appears
-    meanwhile."""
+    shared file system); None for a new run. Collectives: under --resume auto, a broadcast of
+    whether rank 0 found last.pth, so that every rank reads it, or none, even if it appears
+    meanwhile; resuming, an all_gather of what each rank read, or why it could not."""
     path = args.resume
     if path == "auto":
         found = (output_dir / LAST).is_file() if ctx.is_main else None
         path = str(output_dir / LAST) if broadcast_object(found, ctx) else None
     if not path:
         return None
-    checkpoint = load_checkpoint(path)
-    check_architecture(checkpoint, args, path)
+    checkpoint, problem = None, None
+    try:
+        checkpoint = load_checkpoint(path)
+        check_architecture(checkpoint, args, path)
+    except UserError as e:
+        problem = str(e)
     # all_gather: each rank read the file itself, and a lagging shared file system may show one
-    # an older last.pth: ranks at different positions would hang, or silently train apart.
-    positions = gather_objects((checkpoint["epoch"], checkpoint.get("steps_in_epoch", 0)), ctx)
+    # an older last.pth, or none: ranks at different positions would hang, or silently train
+    # apart, and a rank that stopped alone would leave the others waiting in their next collective.
+    found = gather_objects((problem, checkpoint and (checkpoint["epoch"], checkpoint.get("steps_in_epoch", 0))), ctx)
+    if failed := [(rank, why) for rank, (why, _) in enumerate(found) if why]:
+        rank, why = failed[0]
+        raise UserError(f"rank {rank}: {why}" if ctx.distributed else why)
+    positions = [position for _, position in found]
     if len(set(positions)) > 1:
         seen = ", ".join(f"rank {r}: epoch {e} step {s}" for r, (e, s) in enumerate(positions))
         raise UserError(f"the ranks read different checkpoints from {path} ({seen}): a shared file system that "

@@ -36,6 +36,7 @@ from multi_train_utils.checkpoint import Progress, load_checkpoint, make_checkpo
 from multi_train_utils.distributed_utils import init_distributed, teardown
 from multi_train_utils.distributed_utils import DistContext, Ranks, find_free_port
 from multi_train_utils.resume import restore_training
+from outputs.run_folder import read_resume_checkpoint
 
 def _save_forever(path: str) -> None:
     ramp = torch.arange(4_000_000, dtype=torch.float64)  # 32 MB: each save takes a while, so kills land mid-write
@@ -197,6 +198,37 @@ def test_dist_timeout_turns_a_silent_peer_into_an_error(tmp_path):
     text = result.read_text()
     assert text.startswith("raised after"), text
     assert float(text.split()[2].rstrip("s:")) < 15, text
+
+
+def _reads_its_view_of_the_run_folder(rank: int, port: int, views: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ctx = init_distributed(Ranks(rank, rank, 2, 2), "cpu", "gloo", 30)
+    try:
+        args = argparse.Namespace(resume="auto", model="resnet34", blurpool=False)
+        try:
+            read_resume_checkpoint(args, Path(views[rank]), ctx)
+            outcome = "read"
+        except Exception as e:
+            outcome = f"{type(e).__name__}: {e}"
+        Path(views[rank], "outcome.txt").write_text(outcome)
+    finally:
+        teardown()
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank(tmp_path):
+    """--resume auto across machines: rank 0 finds last.pth, and a shared file system that has
+    not caught up shows rank 1 a half-copied one (its own view of the run folder here). Every
+    rank stops with rank 1's reason, none waits alone in the next collective."""
+    views = [tmp_path / "rank0", tmp_path / "rank1"]
+    for view in views:
+        view.mkdir()
+    _real_checkpoint(views[0] / "last.pth")
+    (views[1] / "last.pth").write_bytes((views[0] / "last.pth").read_bytes()[:100_000])
+    mp.spawn(_reads_its_view_of_the_run_folder, args=(find_free_port(), [str(v) for v in views]), nprocs=2)
+    outcomes = [(view / "outcome.txt").read_text() for view in views]
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith(f"UserError: rank 1: cannot read checkpoint '{views[1] / 'last.pth'}'"), outcomes
 
 
 # A loader worker hands a batch over as file descriptors; here the "training process" connects
