@@ -52,7 +52,7 @@ def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
         "first_epoch": list(progress.first_epoch) if progress.first_epoch else None,
         "args": vars(args),
         "class_names": class_names,
-        "world_size": world_size,  # informative: a checkpoint resumes at any world size
+        "world_size": world_size,  # any world size resumes it; a position inside an epoch, this one only (resume.py)
     }
 
 

@@ -34,8 +34,9 @@ class Progress:
     epoch_sums: tuple[float, float, float] = (0.0, 0.0, 0.0)
     # The epochs the run trains in all, as --time-budget fixed them from epoch 1's time; None: --epochs.
     budget_epochs: int | None = None
-    # Seconds of training and evaluation in the finished epochs, and the longest training of
-    # one: a resumed run spends what is left of --time-budget, not the whole of it again.
+    # Seconds of training and evaluation in the finished epochs (and of the training of a
+    # stopped one), and the longest training of one: a resumed run spends what is left of
+    # --time-budget, not the whole of it again.
     seconds_used: float = 0.0
     slowest_train: float = 0.0
     # Epoch 1's seconds of training (of the whole epoch, where a resume split it) and of

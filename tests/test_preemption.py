@@ -209,6 +209,9 @@ def test_sigterm_stops_at_a_step_and_resume_ends_as_if_uninterrupted(launcher, u
     assert code == EXIT_PREEMPTED, err[-3000:]
     checkpoint = load_checkpoint(tmp_path / "last.pth")
     assert checkpoint["steps_in_epoch"] > 0 and checkpoint["epoch"] == len(metrics(tmp_path)), checkpoint["epoch"]
+    # The stopped epoch's training time is counted as used, beside the finished epochs' (--time-budget).
+    finished = sum(r["epoch_seconds"] + r["eval_seconds"] for r in metrics(tmp_path))
+    assert checkpoint["seconds_used"] > finished + 0.001, (checkpoint["seconds_used"], finished)
 
     out = ok(train(launcher, tmp_path, *steps_of(world_size), "--resume", "auto", nproc=world_size, timeout=300,
                    fast=FAST_DEFAULT_WORKERS)).stdout
