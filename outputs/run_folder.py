@@ -177,9 +177,9 @@ class RunFiles:
         self.scaling.add(train_stats)
         print(epoch_line(record, progress.last_epoch, is_best), flush=True)
         self._epoch = epoch
-        # The checkpoint goes first: metrics.jsonl never names an epoch that a resumed run trains again.
-        self._in_flight = [self._thread.submit(save_atomic, copy, self.output_dir / LAST),
-                           self._thread.submit(record_epoch, self.output_dir, record, is_best, self.tensorboard)]
+        # The checkpoints go first: metrics.jsonl never names an epoch that a resumed run trains again.
+        self._in_flight = [self._thread.submit(save_checkpoints, copy, self.output_dir, is_best),
+                           self._thread.submit(record_epoch, self.output_dir, record, self.tensorboard)]
         self.epochs_ended = time.perf_counter()
 
     def save_position(self, progress: Progress) -> None:
@@ -240,10 +240,19 @@ def truncate_metrics_after(path: Path, completed_epochs: int) -> None:
     write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
-def record_epoch(output_dir: Path, record: dict[str, Any], is_best: bool, writer: SummaryWriter) -> None:
-    """After an epoch's last.pth: best.pth, metrics.jsonl and TensorBoard."""
+def save_checkpoints(checkpoint: dict[str, Any], output_dir: Path, is_best: bool) -> None:
+    """An epoch's last.pth, and its best.pth first where the epoch is the best so far: a kill
+    between the two leaves the previous epoch's last.pth, whose resumed run trains this epoch
+    again; never a best.pth behind the best accuracy last.pth records."""
     if is_best:
-        copy_atomic(output_dir / LAST, output_dir / BEST)
+        save_atomic(checkpoint, output_dir / BEST)
+        copy_atomic(output_dir / BEST, output_dir / LAST)  # a hard link where the file system has them
+    else:
+        save_atomic(checkpoint, output_dir / LAST)
+
+
+def record_epoch(output_dir: Path, record: dict[str, Any], writer: SummaryWriter) -> None:
+    """After an epoch's checkpoints: its line of metrics.jsonl, and TensorBoard's."""
     with open(output_dir / METRICS_FILE, "a") as f:
         f.write(json.dumps(record) + "\n")
     for key in TENSORBOARD_SCALARS:
