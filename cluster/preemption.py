@@ -24,10 +24,9 @@ def save_position_and_exit(files: RunFiles | None, epoch: int, progress: Progres
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     steps = train_stats["stopped_after"]
     if files:
-        # The stopped epoch's seconds so far count too: a resumed run spends what is left of --time-budget.
         files.save_position(dataclasses.replace(progress, epoch=epoch - 1, steps_in_epoch=steps,
                                                 epoch_sums=tuple(train_stats["sums"]),
-                                                seconds_used=progress.seconds_used + train_stats["seconds"]))
+                                                epoch_seconds=progress.epoch_seconds + train_stats["seconds"]))
     barrier(ctx)
     raise Preempted(f"SIGTERM: every process stopped after step {steps} of epoch {epoch}; "
                     f"{output_dir / LAST} holds the position: resume with --resume auto")

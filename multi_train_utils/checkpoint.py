@@ -46,6 +46,7 @@ def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
         "best_acc": progress.best_acc,
         "steps_in_epoch": progress.steps_in_epoch,
         "epoch_sums": list(progress.epoch_sums),
+        "epoch_seconds": progress.epoch_seconds,
         "budget_epochs": progress.budget_epochs,
         "seconds_used": progress.seconds_used,
         "slowest_train": progress.slowest_train,

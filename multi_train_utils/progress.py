@@ -28,18 +28,18 @@ class Progress:
     epoch: int = 0  # epochs completed
     best_acc: float = -1.0
     # A run stopped inside epoch `epoch + 1` (SIGTERM): the batches each process had trained on
-    # in it (always whole optimizer steps), and its training sums so far (loss, correct,
-    # images) over all processes.
+    # in it (always whole optimizer steps), its training sums so far (loss, correct, images) over
+    # all processes, and its seconds of training so far (--time-budget counts them).
     steps_in_epoch: int = 0
     epoch_sums: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    epoch_seconds: float = 0.0
     # The epochs the run trains in all, as --time-budget fixed them from epoch 1's time; None: --epochs.
     budget_epochs: int | None = None
-    # Seconds of training and evaluation in the finished epochs (and of the training of a
-    # stopped one), and the longest training of one: a resumed run spends what is left of
-    # --time-budget, not the whole of it again.
+    # Seconds of training and evaluation in the finished epochs, and the longest training of
+    # one: a resumed run spends what is left of --time-budget, not the whole of it again.
     seconds_used: float = 0.0
     slowest_train: float = 0.0
-    # Epoch 1's seconds of training (of the whole epoch, where a resume split it) and of
+    # Epoch 1's seconds of training (before and after a stop, where a resume split it) and of
     # evaluation: --time-budget's count follows from them.
     first_epoch: tuple[float, float] | None = None
     # The last epoch the run trains, unless --time-budget ends it sooner, and the first this
@@ -50,12 +50,11 @@ class Progress:
 
     def finish_epoch(self, epoch: int, val_acc: float, train_stats: dict[str, Any], eval_seconds: float) -> None:
         """Note a finished epoch: its accuracy, and how long it took (train_one_epoch's
-        `seconds`, of its `train_images` of `epoch_images`)."""
-        train_seconds = train_stats["seconds"]
+        `seconds`, after those trained before a stop inside it)."""
+        train_seconds = self.epoch_seconds + train_stats["seconds"]
         if epoch == 1:
-            self.first_epoch = (train_seconds * train_stats["epoch_images"] / max(1, train_stats["train_images"]),
-                                eval_seconds)
-        self.epoch, self.steps_in_epoch, self.epoch_sums = epoch, 0, (0.0, 0.0, 0.0)
+            self.first_epoch = (train_seconds, eval_seconds)
+        self.epoch, self.steps_in_epoch, self.epoch_sums, self.epoch_seconds = epoch, 0, (0.0, 0.0, 0.0), 0.0
         self.seconds_used += train_seconds + eval_seconds
         self.slowest_train = max(self.slowest_train, train_seconds)
         self.best_acc = max(self.best_acc, val_acc)
@@ -99,6 +98,7 @@ def progress_of(checkpoint: dict[str, Any]) -> Progress:
     """How far the run that saved `checkpoint` had come."""
     first = checkpoint.get("first_epoch")
     return Progress(checkpoint["epoch"], checkpoint["best_acc"], checkpoint.get("steps_in_epoch", 0),
-                    tuple(checkpoint.get("epoch_sums", (0.0, 0.0, 0.0))), checkpoint.get("budget_epochs"),
+                    tuple(checkpoint.get("epoch_sums", (0.0, 0.0, 0.0))), checkpoint.get("epoch_seconds", 0.0),
+                    checkpoint.get("budget_epochs"),
                     checkpoint.get("seconds_used", 0.0), checkpoint.get("slowest_train", 0.0),
                     tuple(first) if first else None)

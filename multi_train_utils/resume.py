@@ -45,7 +45,9 @@ def restore_training(checkpoint: dict[str, Any] | None, optimizer: torch.optim.O
                 why = (", whose order of images held the files left out" if lost_files else
                        f" with {checkpoint['world_size']} process(es) of batch {checkpoint['args']['batch_size']}")
                 message += f"; it stopped inside epoch {progress.epoch + 1}{why}, so that epoch starts over"
-                progress = dataclasses.replace(progress, steps_in_epoch=0, epoch_sums=(0.0, 0.0, 0.0))
+                # The stopped part's time was spent all the same: --time-budget counts it as used.
+                progress = dataclasses.replace(progress, steps_in_epoch=0, epoch_sums=(0.0, 0.0, 0.0), epoch_seconds=0.0,
+                                               seconds_used=progress.seconds_used + progress.epoch_seconds)
         ctx.print0(message)
     progress.last_epoch = progress.budget_epochs or most_epochs(args)
     progress.resumed_at = progress.epoch + 1
