@@ -179,7 +179,9 @@ def get_args_parser(description: str, launcher: str = "single") -> argparse.Argu
                      help="on --resume: go on without the run's files that are gone or no longer decode (else an error)")
     run.add_argument("--data-moved", action=BoolFlag,
                      help="on --resume: the run's files moved to --data-path, each at the same place under it")
-    run.add_argument("--eval-only", action=BoolFlag, help="evaluate --resume (or --weights) on the validation split")
+    run.add_argument("--eval-only", action=BoolFlag,
+                     help="evaluate --resume on its run's validation images (its split.json), or --weights on "
+                     "--data-path's validation split")
     run.add_argument("--plots", action=BoolFlag, default=True,
                      help="draw the run's PNGs at its end (a few seconds); `python plots.py RUN_DIR` draws them later")
     run.add_argument("--backend", default=None, choices=["nccl", "gloo"],

@@ -108,17 +108,17 @@ class RunData:
 
 def build_datasets(plan: Plan, checkpoint: dict[str, Any] | None, ctx: DistContext) -> RunData:
     """The run's split and its training and validation datasets. A new run's split of the
-    folder (readable_split); a resumed run's is the one its split.json recorded, beside the
-    checkpoint: the folder is not split again, whatever was added to it or removed since, and the
-    files are not decoded again, only compared with their recorded size and time
-    (recorded_files). Collectives: an all_gather of the unreadable files each rank found (a new
+    folder (readable_split); a resumed run's, and --eval-only's of a run's checkpoint, is the one
+    its split.json recorded, beside the checkpoint: the folder is not split again, whatever was
+    added to it or removed since, and the files are not decoded again, only compared with their
+    recorded size and time (recorded_files). Collectives: an all_gather of the unreadable files each rank found (a new
     run) or, resumed, a broadcast of whether rank 0 sees the record, then of rank 0's verdict on
     the recorded files (an all_gather where it has none); with --cache,
     a broadcast and barriers; with --device-augment, two all_reduces that fill in the pixels."""
     args = plan.args
     path = checkpoint["loaded_from"] if checkpoint is not None else None
     root, lost_files = args.data_path, False
-    recorded = Path(path).parent / SPLIT_FILE if path and not args.eval_only else None
+    recorded = Path(path).parent / SPLIT_FILE if path else None  # --eval-only too: the run's validation images
     # broadcast: rank 0's view of the folder decides which collective every rank makes next (a
     # node-local copy of a run folder, or a lagging network file system, may show each rank another).
     if recorded is None or not broadcast_object(recorded.is_file() if ctx.is_main else None, ctx):
