@@ -111,9 +111,9 @@ def build_datasets(plan: Plan, checkpoint: dict[str, Any] | None, ctx: DistConte
     folder (readable_split); a resumed run's, and --eval-only's of a run's checkpoint, is the one
     its split.json recorded, beside the checkpoint: the folder is not split again, whatever was
     added to it or removed since, and the files are not decoded again, only compared with their
-    recorded size and time (recorded_files). Collectives: an all_gather of the unreadable files each rank found (a new
-    run) or, resumed, a broadcast of whether rank 0 sees the record, then of rank 0's verdict on
-    the recorded files (an all_gather where it has none); with --cache,
+    recorded size and time (recorded_files). Collectives: an all_gather of the unreadable files
+    each rank found (a new run) or, resumed, a broadcast of whether rank 0 sees the record, then
+    of rank 0's verdict on the recorded files (an all_gather where it has none); with --cache,
     a broadcast and barriers; with --device-augment, two all_reduces that fill in the pixels."""
     args = plan.args
     path = checkpoint["loaded_from"] if checkpoint is not None else None
