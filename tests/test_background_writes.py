@@ -100,8 +100,9 @@ with files, torch.no_grad():
 def test_a_kill_at_any_moment_of_a_write_leaves_whole_files(tmp_path):
     """SIGKILLed at moments spread over a write (each hand-over waits for the write before), the
     process leaves last.pth and best.pth whole, each one epoch's state, best.pth never behind
-    last.pth's best epoch; metrics.jsonl names no epoch after last.pth's; and what is left over is what the next run's start removes. (SIGTERM
-    stops a training run at a step instead: tests/test_preemption.py.)"""
+    last.pth's best epoch; metrics.jsonl names no epoch after last.pth's; and what is left over
+    is what the next run's start removes. (SIGTERM stops a training run at a step instead:
+    tests/test_preemption.py.)"""
     for trial in range(4):
         out = tmp_path / f"trial-{trial}"
         out.mkdir()

@@ -79,13 +79,16 @@ def test_killed_while_saving_leaves_a_whole_checkpoint(tmp_path):
     assert mid_write >= 1, "no kill landed while a checkpoint was being written"
 
 
-def _real_checkpoint(path: Path) -> None:
+def _checkpoint(scaler: torch.amp.GradScaler) -> tuple[dict, torch.optim.Optimizer]:
+    """A real checkpoint of ResNet34 after epoch 1, with `scaler`'s state; and its optimizer."""
     model = create_model(5)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    checkpoint = make_checkpoint(model, optimizer, scaler, Progress(1, 0.2), argparse.Namespace(),
-                                 ["daisy", "dandelion", "roses", "sunflowers", "tulips"], world_size=1)
-    save_atomic(checkpoint, path)
+    return make_checkpoint(model, optimizer, scaler, Progress(1, 0.2), argparse.Namespace(),
+                           ["daisy", "dandelion", "roses", "sunflowers", "tulips"], world_size=1), optimizer
+
+
+def _real_checkpoint(path: Path) -> None:
+    save_atomic(_checkpoint(torch.amp.GradScaler("cpu", enabled=False))[0], path)
 
 
 def test_truncated_or_corrupt_checkpoint_is_a_clear_error(tmp_path, capsys):
@@ -262,11 +265,7 @@ def test_a_checkpoint_resumes_under_fp16_whatever_precision_saved_it(saved_with)
     """A run moved to a GPU without bf16 (or given --amp fp16) resumes a bf16 or fp32 run's
     checkpoint, whose loss scaler was off and saved nothing: its own scale starts afresh. An
     fp16 run's scale is carried over."""
-    model = create_model(5)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    saving = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=saved_with == "fp16")
-    checkpoint = make_checkpoint(model, optimizer, saving, Progress(1, 0.2), argparse.Namespace(),
-                                 ["daisy", "dandelion", "roses", "sunflowers", "tulips"], world_size=1)
+    checkpoint, optimizer = _checkpoint(torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=saved_with == "fp16"))
     args = argparse.Namespace(batch_size=8, accum_steps=1, epochs=3, time_budget=None)
     for enabled in (True, False):
         scaler = torch.amp.GradScaler("cpu", enabled=enabled)
