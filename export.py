@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from model import EXPORT_FORMATS, describe_export, export_model, load_exported, preprocessing_path
+from outputs.exported import EXPORT_FORMATS, describe_export, export_model, load_exported, preprocessing_path
 from multi_train_utils.checkpoint import architecture, load_checkpoint, model_from_checkpoint
 from my_dataset import ImageFiles, eval_img_size, normalize
 from utils import ProjectError, UserError, exit_on_error, image_files, write_json

@@ -1,13 +1,8 @@
 """The torchvision model (ResNet34 unless asked otherwise) and its classifier head, freezing
-its backbone, BatchNorm that syncs on the CPU, and the formats a trained model ships in (ONNX,
-torch.export, TorchScript)."""
+its backbone, and BatchNorm that syncs on the CPU."""
 from __future__ import annotations
 
 import argparse
-import json
-import warnings
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,15 +10,7 @@ import torch.distributed as dist
 import torchvision
 from torch import nn
 
-from my_dataset import IMAGENET_MEAN, IMAGENET_STD, eval_resize
 from utils import UserError
-
-# format -> file ending. The exported model takes normalised float32 images (N, 3, H, W) with
-# any N, and gives logits (N, classes).
-EXPORT_FORMATS = {"onnx": ".onnx", "export": ".pt2", "torchscript": ".torchscript.pt"}
-INPUT_NAME, OUTPUT_NAME = "images", "logits"
-ONNX_PACKAGES = "onnx, onnxscript and onnxruntime (pip install -r requirements-export.txt)"
-
 
 DEFAULT_MODEL = "resnet34"
 # The torchvision models built by its ResNet class, which takes zero_init_residual.
@@ -46,15 +33,12 @@ def check_model_name(name: str, zero_init_residual: bool = False) -> None:
 
 def create_model(num_classes: int, name: str = DEFAULT_MODEL, zero_init_residual: bool = False,
                  blurpool: bool = False) -> nn.Module:
-    """A torchvision classification model by name, randomly initialised, with `num_classes` outputs.
-    `zero_init_residual` (ResNets): each residual block's last BatchNorm starts at zero, so every
-    block starts as the identity and the network as a shallow one (Goyal et al., 2017).
-    `blurpool`: its strided convolutions blur their input first (`BlurConv2d`)."""
-    check_model_name(name, zero_init_residual)
+    """A torchvision classification model by name, randomly initialised, with `num_classes` outputs;
+    each ResNet block's last BatchNorm at zero (`zero_init_residual`); BlurConv2d (`blurpool`)."""
     extra = {"zero_init_residual": True} if zero_init_residual else {}
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
     if blurpool and not blur_strided_convolutions(model):
-        raise UserError(f"--blurpool blurs strided convolutions of {BLUR_MIN_CHANNELS} input channels or more, "
+        raise UserError("--blurpool blurs strided convolutions of 16 input channels or more, "
                         f"and {name} has none")
     return model
 
@@ -83,20 +67,17 @@ class BlurConv2d(nn.Conv2d):
         return super().forward(nn.functional.conv2d(x, self.blur.to(x.dtype), padding=1, groups=self.in_channels))
 
 
-# Composer leaves out convolutions of fewer input channels: the stem, on the 3 colour channels,
-# which must see the full-resolution picture as it is.
-BLUR_MIN_CHANNELS = 16
-
-
-def blur_strided_convolutions(model: nn.Module) -> int:
+def blur_strided_convolutions(model: nn.Module, min_channels: int = 16) -> int:
     """Make every strided convolution of `model` (with 16 input channels or more) a BlurConv2d
     with the same weights, and say how many there were. In ResNet34: the first convolution of
-    the first block of layers 2 to 4 and its shortcut's. The max-pooling after the stem stays: its blurred form
-    pools at stride 1, four times the work at the network's largest feature map."""
+    the first block of layers 2 to 4 and its shortcut's. Composer leaves out convolutions of fewer
+    input channels: the stem, on the 3 colour channels, must see the full-resolution picture. The
+    max-pooling after the stem stays: its blurred form pools at stride 1, four times the work at the
+    network's largest feature map."""
     blurred_count = 0
     for parent in list(model.modules()):
         for name, conv in list(parent.named_children()):
-            if type(conv) is nn.Conv2d and conv.stride != (1, 1) and conv.in_channels >= BLUR_MIN_CHANNELS:
+            if type(conv) is nn.Conv2d and conv.stride != (1, 1) and conv.in_channels >= min_channels:
                 blurred = BlurConv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                                      conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode)
                 blurred.load_state_dict(conv.state_dict())
@@ -203,69 +184,6 @@ def cpu_sync_batchnorm(model: nn.Module) -> nn.Module:
         else:
             cpu_sync_batchnorm(child)
     return model
-
-
-def export_model(model: nn.Module, fmt: str, path: Path, img_size: int) -> None:
-    """Write `model` (in eval mode, on the CPU) in `fmt`, with a dynamic batch dimension."""
-    example = torch.randn(2, 3, img_size, img_size)
-    dynamic = {"x": {0: torch.export.Dim("batch", min=1)}}  # "x": the forward's argument
-    if fmt == "onnx":
-        try:
-            torch.onnx.export(model, (example,), str(path), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                              dynamic_shapes=dynamic, dynamo=True, external_data=False, verbose=False)
-        except ImportError as e:
-            raise UserError(f"export to ONNX needs {ONNX_PACKAGES}: {e}") from None
-    elif fmt == "export":
-        torch.export.save(torch.export.export(model, (example,), dynamic_shapes=dynamic), path)
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # deprecated, and said so in export.py's help
-            torch.jit.trace(model, example).save(str(path))
-
-
-def load_exported(path: Path, fmt: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The exported model as a function from a normalised float32 CPU batch to its logits."""
-    if fmt == "onnx":
-        try:
-            import onnxruntime
-        except ImportError as e:
-            raise UserError(f"running an ONNX model needs {ONNX_PACKAGES}: {e}") from None
-        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        return lambda images: torch.from_numpy(session.run([OUTPUT_NAME], {INPUT_NAME: images.numpy()})[0])
-    if fmt == "export":
-        return torch.export.load(path).module()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return torch.jit.load(str(path))
-
-
-def preprocessing_path(model_path: Path) -> Path:
-    return Path(f"{model_path}.json")
-
-
-def describe_export(fmt: str, architecture: str, class_names: list[str], img_size: int) -> dict[str, Any]:
-    """What a user of the exported model needs to feed it: written beside it as JSON."""
-    return {
-        "format": fmt,
-        "architecture": architecture,
-        "class_names": class_names,
-        "img_size": img_size,
-        "input": {"name": INPUT_NAME, "shape": ["batch", 3, img_size, img_size], "dtype": "float32",
-                  "layout": "NCHW", "channels": "RGB"},
-        "output": {"name": OUTPUT_NAME, "shape": ["batch", len(class_names)], "meaning": "logits; softmax for probabilities"},
-        "preprocessing": {"resize_short_side": eval_resize(img_size), "center_crop": img_size,
-                          "scale": "pixels / 255", "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
-                          "formula": "(pixels / 255 - mean) / std, per channel"},
-    }
-
-
-def read_preprocessing(model_path: Path) -> dict[str, Any]:
-    path = preprocessing_path(model_path)
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{str(model_path)!r} needs its description {str(path)!r}, written by export.py beside it: "
-                        f"{type(e).__name__}: {e}") from None
 
 
 def unwrapped(model: nn.Module) -> nn.Module:

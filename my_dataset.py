@@ -3,6 +3,7 @@ done on the device for the whole batch (--device-augment), and the sampler that 
 augmentation reproducible. Knows nothing of processes or launchers."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -18,7 +19,7 @@ from torchvision.io import ImageReadMode, decode_jpeg, read_file
 from torchvision.transforms import RandomResizedCrop, v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
-from utils import Sample, cores_per_process, load_rgb
+from utils import DataSplit, Sample, load_rgb
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -39,20 +40,14 @@ def cache_short_side(config: Mapping[str, Any]) -> int:
 
 
 def decode(path: str, min_size: int) -> torch.Tensor:
-    """An upright RGB picture as a uint8 CHW tensor, by the fastest way for this file.
-
-    Measured by `python -m benchmarks data` (docs/performance.md): torchvision's decode_jpeg reads
-    flower-sized JPEGs faster than PIL; a JPEG at least twice the size needed is cheaper
-    still through PIL's draft mode, which decodes it at 1/2 to 1/8 scale. Everything else,
-    and any JPEG that libjpeg refuses, goes through PIL.
-    """
+    """An upright RGB picture as a uint8 CHW tensor, by the fastest way for this file (`python -m
+    benchmarks data`): torchvision's decode_jpeg for a JPEG of about the size needed, PIL's draft
+    mode for one twice as large or more (decoded at 1/2 to 1/8 scale), PIL for anything else."""
     with Image.open(path) as img:  # reads the header only
         small_jpeg = img.format == "JPEG" and min(img.size) < 2 * min_size
     if small_jpeg:
-        try:
+        with contextlib.suppress(RuntimeError):  # a JPEG libjpeg refuses: PIL's then
             return decode_jpeg(read_file(path), mode=ImageReadMode.RGB, apply_exif_orientation=True)
-        except RuntimeError:
-            pass
     return pil_to_tensor(load_rgb(path, min_size))
 
 
@@ -71,12 +66,8 @@ class Augmentation:
 
 
 def build_transform(img_size: int, train: bool, augmentation: Augmentation = Augmentation()) -> v2.Compose:
-    """Takes uint8 tensors (or PIL images) and gives uint8 CHW tensors of `img_size`.
-
-    Everything here runs on one byte per channel. The float conversion and normalisation
-    wait for `normalize`, on the training device, batched: a loader worker then hands over,
-    and the GPU copy then moves, a quarter of the bytes of float32.
-    """
+    """uint8 tensors (or PIL images) to uint8 CHW tensors of `img_size`: the float conversion and
+    normalisation wait for `normalize`, on the device, so a worker hands over a quarter of the bytes."""
     if not train:
         geometry = [v2.Resize(eval_resize(img_size), antialias=True), v2.CenterCrop(img_size)]
         return v2.Compose([v2.PILToTensor(), *geometry])  # PILToTensor: PIL input only, tensors pass through
@@ -86,9 +77,7 @@ def build_transform(img_size: int, train: bool, augmentation: Augmentation = Aug
     policy = AUTO_AUGMENT[augmentation.auto_augment]
     if policy is not None:
         steps.append(policy())
-    if augmentation.random_erase > 0:
-        # The references erase after normalising, with 0, which is the mean colour; on uint8
-        # pixels that colour is the mean itself.
+    if augmentation.random_erase > 0:  # with the mean colour, as the references' 0 after normalising is
         steps.append(v2.RandomErasing(augmentation.random_erase, value=[round(255 * m) for m in IMAGENET_MEAN]))
     return v2.Compose(steps)
 
@@ -120,10 +109,9 @@ class TrainTransforms:
         self.augmentation = augmentation
         self.built: dict[int, v2.Compose] = {}
 
-    def __call__(self, epoch: int) -> v2.Compose:
-        return self.at_size(self.sizes(epoch))
-
-    def at_size(self, size: int) -> v2.Compose:
+    def __call__(self, epoch: int, size: int | None = None) -> v2.Compose:
+        """The transform of `epoch`, or of crop `size` where the key carries it (--time-budget's sizes)."""
+        size = size or self.sizes(epoch)
         if size not in self.built:
             self.built[size] = build_transform(size, train=True, augmentation=self.augmentation)
         return self.built[size]
@@ -151,15 +139,13 @@ def eval_img_size(config: Mapping[str, Any]) -> int:
 @functools.cache
 def _normalize_affine(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     # Made once per device: building them at every batch would be a host-to-GPU copy per step.
-    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
     return (1 / (255 * std)).to(device), (-mean / std).to(device)
 
 
 def normalize(images: torch.Tensor) -> torch.Tensor:
-    """A uint8 batch (N, 3, H, W) as the model takes it: float32, (x / 255 - mean) / std with
-    ImageNet's mean and std, on the batch's device and in its memory format. A float32 batch
-    of 0-255 values is normalised in place."""
+    """A uint8 batch as the model takes it: float32 (x / 255 - mean) / std, ImageNet's mean and
+    std, on its device and in its memory format (a float batch of 0-255 values: in place)."""
     scale, shift = _normalize_affine(images.device)
     return images.float().mul_(scale).add_(shift)
 
@@ -183,15 +169,22 @@ class ImageFiles(Dataset):
             return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), f"{type(e).__name__}: {e}"
 
 
-def default_workers(device: torch.device, processes_per_machine: int = 1) -> int:
-    """Loader workers per training process: its share of the cores, less one for the loop itself."""
-    spare = cores_per_process(processes_per_machine) - 1
-    if device.type == "cuda":
-        # One core decodes and augments about 900 images/s (docs/performance.md); a GPU trains
-        # thousands a second. So the loader gets every spare core.
-        return max(1, spare)
-    # On the CPU the training step itself runs on every core; workers only stay a few batches ahead.
-    return max(1, min(8, spare))
+def default_workers(device: torch.device, cpus: int) -> int:
+    """Loader workers for a process of `cpus` CPUs: all but one, for the loop itself. A core decodes
+    about 900 images/s and a GPU trains thousands; on the CPU workers need only stay a few batches
+    ahead of the step, which takes every core (performance.md)."""
+    return max(1, cpus - 1 if device.type == "cuda" else min(8, cpus - 1))
+
+
+def train_and_val_sets(split: DataSplit, args: Any) -> tuple[MyDataSet, MyDataSet]:
+    """The training images with their random crops and flips (each epoch's crop size, under
+    progressive resizing), the validation images resized and centre-cropped, as `args` ask."""
+    augmentation = Augmentation(args.auto_augment, args.random_erase, args.crop_scale, args.flip)
+    train = (train_transforms(vars(args)) if args.min_img_size
+             else build_transform(args.img_size, train=True, augmentation=augmentation))
+    val_size = eval_img_size(vars(args))
+    return (MyDataSet(split.train, train, args.img_size, args.seed, alternate_flip=args.flip == "alternate"),
+            MyDataSet(split.val, build_transform(val_size, train=False), eval_resize(val_size)))
 
 
 class PixelCache(Protocol):
@@ -203,21 +196,17 @@ class PixelCache(Protocol):
 class MyDataSet(Dataset):
     """(image, label) pairs from a list of (path, label).
 
-    A key is either an index or an (epoch, index) pair from `EpochKeys`, or an (epoch,
-    index, crop size) triple. For a pair, the transform is that epoch's where `transform` is a
-    TrainTransforms (for a triple, that size's), and
-    the random augmentation is seeded by (seed, epoch, index): the same image gets the same crop
-    in the same epoch whatever the world size, the number of loader workers, or whether the
-    run was resumed, which is what makes resumed and repeated runs exact.
+    A key is an index, or an (epoch, index) pair from `EpochKeys` (or an (epoch, index, crop
+    size) triple), whose random augmentation is seeded by (seed, epoch, index): the same image
+    gets the same crop in the same epoch whatever the world size, the number of loader workers,
+    or whether the run was resumed, which is what makes resumed and repeated runs exact. A
+    `transform` that is a TrainTransforms gives each epoch's (progressive resizing).
     """
 
     def __init__(self, samples: Sequence[Sample], transform: v2.Compose | TrainTransforms, min_size: int,
-                 seed: int = 0, cache: PixelCache | None = None):
-        self.samples = list(samples)
-        self.transform = transform
-        self.min_size = min_size
-        self.seed = seed
-        self.cache = cache
+                 seed: int = 0, cache: PixelCache | None = None, alternate_flip: bool = False):
+        self.samples, self.transform, self.min_size, self.seed = list(samples), transform, min_size, seed
+        self.cache, self.alternate_flip = cache, alternate_flip
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -228,12 +217,10 @@ class MyDataSet(Dataset):
         try:
             img = self.cache.get(path) if self.cache is not None else decode(path, self.min_size)
         except Exception as e:
-            # Unreadable files were left out at start-up; this one changed since.
-            raise RuntimeError(f"cannot decode {path}: {e}") from e
+            raise RuntimeError(f"cannot decode {path}: {e} (--check-images leaves out the files that do not decode)") from e
         transform = self.transform
-        alternate = isinstance(transform, TrainTransforms) and transform.augmentation.flip == "alternate"
         if isinstance(transform, TrainTransforms):
-            transform = transform.at_size(size[0]) if size else transform(epoch or 1)
+            transform = transform(epoch or 1, *size)
         if epoch is None:
             return transform(img), label
         with torch.random.fork_rng(devices=[]):
@@ -241,7 +228,7 @@ class MyDataSet(Dataset):
             img = transform(img)
         # Last, after any policy: a mirror commutes in distribution with the crop, the
         # policies' operations and the erasing, which all draw both ways alike.
-        if alternate and alternate_flip(self.seed, epoch, index):
+        if self.alternate_flip and alternate_flip(self.seed, epoch, index):
             img = v2.functional.horizontal_flip(img)
         return img, label
 
@@ -334,11 +321,9 @@ class EpochKeys(Sampler[tuple[int, int]]):
     stopped run trained on (`skip_next_pass`)."""
 
     def __init__(self, sampler: DistributedSampler):
-        self.sampler = sampler
-        self.skip = 0
-        # Set by a run that sizes progressive resizing once it knows its epoch count
-        # (--time-budget): the keys then carry the epoch's crop size to the loader workers,
-        # whose copies of the dataset were made before the count was known.
+        self.sampler, self.skip = sampler, 0
+        # Set by --time-budget once it knows the epoch count: the keys then carry each epoch's crop size to the
+        # loader workers, whose copies of the dataset were made before.
         self.sizes: SizeSchedule | None = None
 
     @property
@@ -352,10 +337,7 @@ class EpochKeys(Sampler[tuple[int, int]]):
     def __iter__(self) -> Iterator[tuple[int, ...]]:
         skip, self.skip = self.skip, 0
         epoch, indices = self.epoch, itertools.islice(self.sampler, skip, None)
-        if self.sizes is None:
-            return ((epoch, i) for i in indices)
-        size = self.sizes(epoch)
-        return ((epoch, i, size) for i in indices)
+        return ((epoch, i) if self.sizes is None else (epoch, i, self.sizes(epoch)) for i in indices)
 
     def __len__(self) -> int:
         return max(0, len(self.sampler) - self.skip)

@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from model import EXPORT_FORMATS, load_exported, read_preprocessing
+from outputs.exported import EXPORT_FORMATS, load_exported, read_preprocessing
 from multi_train_utils.checkpoint import load_checkpoint, model_from_checkpoint
 from multi_train_utils.distributed_utils import resolve_device
-from multi_train_utils.train_eval_utils import PlacedModel
+from multi_train_utils.train_eval_utils import model_input
 from my_dataset import ImageFiles, default_workers, eval_img_size, normalize
-from utils import IMG_EXTENSIONS, UserError, exit_on_error, image_files
+from utils import IMG_EXTENSIONS, UserError, cpu_count, exit_on_error, image_files
 
 
 def find_images(inputs: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
@@ -65,8 +65,13 @@ def load_classifier(path: str, device: torch.device) -> Classifier:
                           torch.device("cpu"))
     checkpoint = load_checkpoint(path, mmap=True)  # mapped: the optimizer state is never read
     # Evaluated as the run evaluated it: at its validation size, with its --tta.
-    placed = PlacedModel(model_from_checkpoint(checkpoint).to(device), device, tta=checkpoint["args"].get("tta", False))
-    return Classifier(checkpoint["class_names"], eval_img_size(checkpoint["args"]), placed.eval_logits, device)
+    model, tta = model_from_checkpoint(checkpoint).to(device), checkpoint["args"].get("tta", False)
+
+    def logits(images: torch.Tensor) -> torch.Tensor:
+        inputs = model_input(images, device, channels_last=False)
+        return (model(inputs) + model(inputs.flip(3))) / 2 if tta else model(inputs)
+
+    return Classifier(checkpoint["class_names"], eval_img_size(checkpoint["args"]), logits, device)
 
 
 def predict(
@@ -114,7 +119,7 @@ def main() -> None:
             print(f"warning: cannot read {path}: {reason}", file=sys.stderr, flush=True)
         if not paths:
             raise UserError(f"no image found in {', '.join(args.inputs)} (looked for {' '.join(IMG_EXTENSIONS)} files)")
-        workers = default_workers(device) if args.workers is None else args.workers
+        workers = default_workers(device, cpu_count()) if args.workers is None else args.workers
         path_width = max(len(p) for p in paths)
         class_width = max(len(c) for c in classifier.class_names)
         try:

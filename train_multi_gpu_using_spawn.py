@@ -5,193 +5,196 @@
 
 No launcher needed: this script starts the processes itself, on this machine only, and picks a
 free port on 127.0.0.1 unless MASTER_ADDR/MASTER_PORT are set. On a machine without GPUs,
---world-size N runs N CPU processes with gloo. `--help` lists every option and docs/options.md
+--world-size N runs N CPU processes with gloo. `--help` lists every option, docs/options.md
 says what each does.
 
 main() starts the processes; each runs worker() and then train(), on its own share of the
-images. The rule of collectives: every rank makes the same collectives (all_reduce, broadcast,
-gather, barrier) in the same order, and none under `if rank == 0:`; a rank that skips one
-leaves the others waiting in it. The comment of each line below that makes one, or leads to
-one, says which. Rank 0 alone prints and writes. docs/how-it-works.md says why each call is
-where it is.
+images: train() is a copy of the torchrun launcher's, line for line (the launcher's name aside),
+so that each launcher reads alone. The rule of collectives: every rank makes the same
+collectives (all_reduce, broadcast, gather, barrier) in the same order, and none under `if rank
+== 0:`; a rank that skips one leaves the others waiting in it. Each line below that makes one,
+or calls the function that makes it, says which in its comment: a default run makes no other.
+Rank 0 alone prints and writes. docs/how-it-works.md walks through the run.
 """
-import signal
-
-from cluster.sigterm import Preemption
-
-# SIGTERM, in each process mp.spawn starts (which runs this file from the top too): before
-# training it exits 75, for the scheduler to requeue the job; during training every rank stops
-# after the same step and rank 0 saves the position. Set first: loading torch takes seconds.
-preemption = Preemption()
-signal.signal(signal.SIGTERM, preemption.on_sigterm)
-signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # mp.spawn starts a process with it blocked (main())
-
 import datetime
-import multiprocessing.resource_tracker
-import os
+import signal
 import sys
 import threading
-import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.tensorboard import SummaryWriter
 
-# The data-parallel core: the lesson, with this file (docs/how-it-works.md walks through it).
-from model import cpu_sync_batchnorm
-from multi_train_utils.config import check_and_list_images, read_command_line
-from multi_train_utils.distributed_utils import (Ranks, job_store, join_processes, meeting_point,
-                                                 process_context)
-from multi_train_utils.loaders import build_datasets
-from multi_train_utils.resume import restore_training
-from multi_train_utils.train_eval_utils import build_model, build_optimizer, evaluate_epoch, train_one_epoch
-# The machinery around it: what a cluster does to a run, and what rank 0 writes.
-from cluster.check import check
-from cluster.preemption import save_position_and_exit
-from outputs import collective_trace
-from outputs.report import evaluate_only, report_on_best
-from outputs.run_folder import RunFiles, create_run_folder, read_resume_checkpoint
-from processes.helper_signals import sigterm_blocked
-from utils import exit_on_error
+# The data-parallel core: the lesson, with this file.
+from model import cpu_sync_batchnorm, create_model
+from multi_train_utils.checkpoint import make_checkpoint, save_checkpoint
+from multi_train_utils.config import DEFAULT_EPOCHS, check_options, get_args_parser, list_images_of, spawn_world_size
+from multi_train_utils.distributed_utils import Ranks, ShardSampler, job_precision, loader_options, process_context
+from multi_train_utils.run_folder import create_run_folder, epoch_line, epoch_record, write_epoch, write_run_files
+from multi_train_utils.train_eval_utils import Extras, Progress, build_optimizer, evaluate, train_one_epoch
+from my_dataset import EpochKeys, train_and_val_sets
+from utils import exit_on_error, split_samples
+# What a default run never enters: each is one `if` below.
+from cluster import preemption, rendezvous
+from multi_train_utils import resume
+from outputs import collective_trace, report, scaling
+from recipe import budget, extras
 
 
 def main() -> None:
     with exit_on_error():
-        args = read_command_line("spawn", __doc__)
-        # Before any process starts: the options checked, the images downloaded (--download) and listed,
-        # the processes counted.
-        plan = check_and_list_images(args, "spawn")
-        # Where the processes meet, exported for them: --dist-url or MASTER_ADDR:MASTER_PORT, else a free
-        # port on 127.0.0.1 (gloo then stays on loopback: GLOO_SOCKET_IFNAME).
-        meeting_point(args)
-    # A SIGTERM to this launcher alone (a scheduler that signals the main process) is passed on to the
-    # processes, each second until they end (join_processes). Each starts with it blocked (exec keeps the
-    # mask), pending until its handler is set; the resource tracker first, as its start unblocks it.
-    sigterm_came = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: sigterm_came.set())
-    multiprocessing.resource_tracker.ensure_running()
-    with sigterm_blocked():
-        context = mp.spawn(worker, args=(plan,), nprocs=plan.world_size, join=False)
-    sys.exit(join_processes(context, sigterm_came))  # the first failure ends the job; Ctrl-C ends them all
+        args = get_args_parser(__doc__, "spawn").parse_args()
+        check_options(args, "spawn")  # before any process starts: a mistake is one `error:` line
+        world_size = spawn_world_size(args)  # --world-size, else one process per visible GPU
+        plan = list_images_of(args, "spawn", world_size=world_size)  # --download; the class folders, or train/ and val/
+        # Where the processes meet, exported for them: --dist-url, else MASTER_ADDR:MASTER_PORT, else a free port
+        # on 127.0.0.1 (gloo then stays on loopback: GLOO_SOCKET_IFNAME).
+        rendezvous.meeting_point(args)
+    context = mp.spawn(worker, args=(plan,), nprocs=world_size, join=False)
+    # The first failure ends the job; a SIGTERM to this process alone is passed on to them; Ctrl-C ends them all.
+    sys.exit(rendezvous.join_processes(context))
 
 
 def worker(rank: int, plan) -> None:
-    """One process of the job, started by mp.spawn with its rank (all on this machine: the
-    local rank is the rank)."""
+    """One process of the job, started by mp.spawn with its rank (all on this machine: the local
+    rank is the rank)."""
     args = plan.args
     with exit_on_error(rank):
         ranks = Ranks(rank, rank, plan.world_size, plan.world_size)
-        if args.check:  # diagnose instead of training
-            sys.exit(check(plan, ranks))  # its own group; all_gather, broadcast, all_reduce
-        if args.trace_collectives:  # every collective from here on recorded, with the line below that led to it
+        if args.check:  # diagnose instead of training, in a process group of its own
+            from cluster.check import check  # a program of its own: imported only here
+            sys.exit(check(plan, ranks))
+        ctx = process_context(ranks, args.device, args.backend)  # its device (its rank's GPU), its share of the CPUs
+        if args.trace_collectives:  # the Python-level collectives from here on, each with the line below that led to it
             collective_trace.start(__file__)
-        ctx = process_context(ranks, args.device, args.backend)  # on GPUs, its rank's; its share of the cores
-        # init_process_group: complete once every rank has joined (gloo connects to each peer; NCCL,
-        # given device_id, its communicator). NCCL on GPUs, gloo on the CPU; a peer missing, dead or stuck
-        # becomes an error after --dist-timeout. job_store: rank 0 hosts the store where they meet.
-        dist.init_process_group(ctx.backend, store=job_store(ranks, args.dist_timeout),
-                                rank=rank, world_size=plan.world_size,
+        # Complete once every rank has joined at MASTER_ADDR:MASTER_PORT, where rank 0 hosts torch's store; a peer
+        # missing, dead or stuck becomes an error after --dist-timeout. NCCL on GPUs, gloo on the CPU.
+        dist.init_process_group(ctx.backend, rank=rank, world_size=plan.world_size,
                                 timeout=datetime.timedelta(seconds=args.dist_timeout),
                                 device_id=ctx.device if ctx.device.type == "cuda" else None)
         ctx.print0(f"process group: backend={dist.get_backend()}, world_size={ctx.world_size}, "
-                   f"rendezvous={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}, "
                    f"threads per process={torch.get_num_threads()}")
         output_dir = None
         try:
-            output_dir = create_run_folder(plan, ctx)  # broadcast: rank 0 creates it (and prints the configuration)
+            output_dir = create_run_folder(args, "spawn", ctx)  # broadcast: rank 0 creates it, every rank learns where
             train(plan, ctx, output_dir)
         finally:
-            if args.trace_collectives and output_dir is not None:  # each rank's list, however the run ended
+            if args.trace_collectives and output_dir:  # each rank's list, unless a SIGTERM before training killed it
                 collective_trace.write(output_dir, ctx)
             dist.destroy_process_group()
 
 
 def train(plan, ctx, output_dir) -> None:
     """The whole run of one process: `plan` is the checked command line and the images, `ctx`
-    this process's rank, device and whether a process group exists, `output_dir` the run folder."""
+    this process's rank and device, and whether a process group exists; `output_dir` the run folder."""
     args = plan.args
-    began = time.perf_counter()
-    # --resume's checkpoint, read by every rank (a broadcast under --resume auto: whether rank 0 found last.pth;
-    # resuming, an all_gather: every rank read it, at the same position).
-    checkpoint = read_resume_checkpoint(args, output_dir, ctx)
-    # all_gather: the unreadable files each rank found, so all split alike (resuming: two broadcasts instead,
-    # rank 0's view of split.json, then its verdict). --cache and --device-augment add theirs (the tour's table).
-    data = build_datasets(plan, checkpoint, ctx)
+    checkpoint = None
+    if args.resume:  # broadcast and all_gather: every rank read the same position
+        checkpoint = resume.read_checkpoint(args, output_dir, ctx)
+    if checkpoint or args.check_images:  # broadcasts (the run's recorded files), or an all_gather (those that decode)
+        split, data_root, lost_files = resume.checked_split(plan, checkpoint, ctx)
+    else:  # the same on every rank: stratified by class, drawn by --seed (or the folder's own train/ and val/)
+        split, data_root, lost_files = split_samples(plan.samples, plan.class_names, args.val_rate, args.seed,
+                                                     plan.val_files), args.data_path, False
+    ctx.print0(split.summary())
+    train_set, val_set = train_and_val_sets(split, args)
+    if args.cache or args.device_augment:  # the pictures decoded once: all_gather, broadcast, barriers, all_reduces
+        train_set, val_set = extras.decoded_once(split, train_set, val_set, args, ctx)
     # Each rank draws its own 1/world_size of the training images, in a new order every epoch.
-    train_sampler = DistributedSampler(data.train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+    train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
                                        seed=args.seed)
-    train_loader, val_loader = data.loaders(train_sampler, args, ctx)  # validation: unpadded shards
+    options = loader_options(args, ctx)  # batches, workers (its CPUs less one), pinned memory for a GPU
+    # A last batch of one image breaks BatchNorm in training mode: dropped (the shuffle changes which images it holds).
+    train_loader = DataLoader(train_set, sampler=EpochKeys(train_sampler), **options,
+                              drop_last=len(train_sampler) > args.batch_size)
+    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), ctx), **options)  # each image once, unpadded
+    if args.device_augment:  # each batch cropped on the device, from the pictures decoded there
+        train_loader, val_loader = extras.device_loaders(train_loader, val_loader, args, ctx)
 
-    model = build_model(args, len(data.class_names), ctx)  # seeded: the same initial weights on every rank
-    if args.eval_only:
-        # all_reduce and all_gather: the weights --resume or --weights gives, evaluated; their report.
-        evaluate_only(model, checkpoint, val_loader, data, output_dir, args, ctx)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP copies rank 0's in any case)
+    model = create_model(len(split.class_names), args.model, args.zero_init_residual, args.blurpool)
+    if args.weights or args.freeze_layers:  # the weights to start from; the classifier alone trains
+        extras.initial_weights(model, args, ctx)
+    model.to(ctx.device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    amp_dtype = job_precision(args.amp, ctx)  # all_gather: the precision every rank runs natively, one for the job
+    if args.eval_only:  # the weights --resume or --weights gives: evaluate's collectives, then the report's
+        report.evaluate_only(model, checkpoint, val_loader, split, output_dir, args, ctx)
         return
     if checkpoint:
         model.load_state_dict(checkpoint["model"])
     if args.sync_bn and ctx.distributed:
-        # BatchNorm statistics over the global batch, not each rank's share: swapped in before the wrap.
-        if ctx.device.type == "cuda":
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        else:
-            model = cpu_sync_batchnorm(model)  # torch's runs on GPUs only: the same sums, over gloo
-    model_without_ddp = model  # what is saved, evaluated and averaged: its weights load under any launcher
+        # BatchNorm statistics over the global batch, not each rank's share: an all_gather and an all_reduce in
+        # each BatchNorm's forward, an all_reduce in its backward. torch's runs on GPUs; ours, the same sums, on gloo.
+        model = (nn.SyncBatchNorm.convert_sync_batchnorm if ctx.device.type == "cuda" else cpu_sync_batchnorm)(model)
+    if ctx.device.type == "cuda":  # cuDNN's autotuning; before the wrap, a CUDA graph's side stream
+        extras.prepare_gpu(args, ctx)
+    model_without_ddp = model  # what is saved and evaluated: its weights load under any launcher
     if ctx.distributed:
-        # all_gather of the parameter count and a broadcast of rank 0's shapes: DDP checks every rank has the
-        # same parameters; broadcast: rank 0's weights and buffers to every rank. backward() will all-reduce
-        # the gradients.
+        # all_gather of the parameters' count and broadcast of rank 0's shapes (DDP checks that every rank has the
+        # same model), then broadcast of rank 0's weights and buffers. backward() will all-reduce the gradients.
         model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-        if args.trace_collectives:  # its gradients' all-reduces made where the trace sees them
-            collective_trace.watch_gradients(model)
+        if args.trace_collectives:  # DDP's gradient all-reduces made by torch's allreduce_hook, in Python's sight
+            collective_trace.all_reduce_gradients_in_python(model)
     if args.compile:
         model = torch.compile(model)
-    # After the swap and the wrap: over the parameters the model has now. The learning rate, set at every
-    # step, peaks at --lr x global batch / 256: more processes, a larger global batch, a higher rate.
-    optimizer, scaler, ema = build_optimizer(model_without_ddp, args, ctx.device)  # ema: --ema's average
+    # The learning rate, set at every step, peaks at --lr x global batch / 256: more processes, a larger global batch.
+    optimizer, scaler = build_optimizer(model_without_ddp, args, amp_dtype)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    preemption.training = True  # from here a SIGTERM stops every rank after the same step, the position saved
-    # --resume: every rank restores the same optimizer state; a stopped epoch goes on after its last step.
-    progress = restore_training(checkpoint, optimizer, scaler, ema, train_loader, data.lost_files, args, ctx)
+    extra = Extras()
+    if args.ema or args.mixup_alpha or args.cutmix_alpha or args.bn_recalibrate or ctx.device.type == "cuda":
+        extra = extras.training_extras(model, model_without_ddp, optimizer, split, args, ctx)  # and a CUDA graph
+    progress = Progress(last_epoch=budget.most_epochs(args) if args.time_budget else args.epochs or DEFAULT_EPOCHS)
+    if checkpoint:  # every rank the same optimizer state; a stopped epoch goes on after its last step
+        progress = resume.restore_training(checkpoint, progress, optimizer, scaler, extra, train_loader, lost_files,
+                                           args, ctx)
+    ctx.print0(f"training: epoch {progress.epoch + 1} of {progress.last_epoch}, {len(train_loader)} batches a process")
+    tensorboard = SummaryWriter(output_dir) if ctx.is_main else None  # its writer thread is torch's
+    if ctx.is_main:  # config.json, class_indices.json, split.json
+        write_run_files(output_dir, args, plan.launcher, split, data_root, ctx, progress)
 
-    best = None
-    files = RunFiles(output_dir, plan, data.split, data.root, progress, model_without_ddp, optimizer, scaler, ema,
-                     ctx, began) if ctx.is_main else None
-    # Rank 0's files: config.json and the split written as it is entered, each epoch's beside the training.
-    with files or nullcontext():
-        for epoch in range(progress.epoch + 1, progress.last_epoch + 1):
-            if args.time_budget:
-                # broadcast, once epoch 1 has run: rank 0's count of the epochs that fit (the crops follow it).
-                progress.fit_epochs_to_budget(args, train_loader, output_dir, ctx)
-                # broadcast: rank 0's clock decides for every rank whether this epoch runs.
-                if not progress.budget_allows(epoch, args, ctx):
-                    break
-            train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-            # all_reduce: DDP's of the gradients in the backward() that closes each step, a small one at
-            # least every 20 steps (a NaN loss or a SIGTERM on any rank stops them all), and the epoch's loss
-            # and accuracy. broadcast: DDP's of rank 0's buffers in the forward of each step's first batch.
-            train_stats = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress,
-                                          args, ctx, ema, preemption.requested)
-            if train_stats["stopped_after"]:  # SIGTERM: every rank stopped after the same step
-                save_position_and_exit(files, epoch, progress, train_stats, output_dir, ctx)  # barrier, exit 75
-            # broadcast: rank 0's BatchNorm statistics, so that every rank evaluates the weights it saves;
-            # all_reduce: exact, every image once.
-            evaluated = evaluate_epoch(model_without_ddp, val_loader, args, ctx, ema, data.recalibrate)
-            is_best = evaluated.better_acc > progress.best_acc
-            if is_best:
-                best = (epoch, evaluated)
-            progress.finish_epoch(epoch, evaluated.better_acc, train_stats, evaluated.seconds)
-            # Rank 0 alone saves (torch.save, on a thread: save_atomic() in multi_train_utils/checkpoint.py);
-            # the others go on to their next collective.
-            if ctx.is_main:
-                files.save_epoch(epoch, progress, train_stats, evaluated, is_best)
-            if args.trace_collectives:  # rank 0 prints where the ranks met in this epoch
-                collective_trace.print_epoch(epoch, output_dir, ctx)
-        # all_reduce and all_gather: best.pth's report, from the outputs its epoch kept (a broadcast if it reloads).
-        report_on_best(model_without_ddp, val_loader, data, output_dir, args, ctx, best)
+    # From here a SIGTERM (SLURM's warning, scancel, torchrun passing one on) is a request: every rank stops after
+    # the same step of training or evaluation, rank 0 saves the position, every process exits 75. Before, it ends
+    # the process at once (nothing to save); after the last epoch's evaluation, nothing reads it.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    for epoch in range(progress.epoch + 1, progress.last_epoch + 1):
+        if args.time_budget and not budget.next_epoch_fits(progress, epoch, train_loader, output_dir, args, ctx):
+            break  # broadcast: rank 0's clock decides for every rank
+        train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        # all_reduce: DDP's of the gradients in each backward(); every 20 steps (or 5 s), a small one (a NaN loss or a
+        # SIGTERM on any rank stops them all); the epoch's loss and accuracy. broadcast: DDP's of rank 0's buffers.
+        trained = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress, amp_dtype,
+                                  args, ctx, extra, stop.is_set)
+        # broadcast: rank 0's BatchNorm statistics, which every rank evaluates; all_reduce: each image once, and about
+        # every 5 s whether a SIGTERM came.
+        evaluated = None if trained.stopped else evaluate(model_without_ddp, val_loader, args, ctx, extra, stop.is_set,
+                                                          trained.seconds_per_step)
+        if trained.stopped or evaluated.stopped:  # SIGTERM: rank 0 saves the position; barrier; every process exits 75
+            preemption.save_position_and_exit(model_without_ddp, optimizer, scaler, extra, progress, trained, epoch,
+                                              split, output_dir, args, ctx)
+        is_best = progress.finish_epoch(epoch, trained, evaluated)
+        if ctx.is_main:  # rank 0 alone writes; the others go on to their next collective, and wait there
+            record = epoch_record(epoch, trained, evaluated, split, args, ctx)
+            print(epoch_line(record, progress.last_epoch, is_best), flush=True)
+            write_epoch(output_dir, record, tensorboard)  # metrics.jsonl and TensorBoard, before the checkpoint
+            # torch.save to a temporary file, renamed over last.pth (and best.pth first, when the epoch is the best).
+            save_checkpoint(make_checkpoint(model_without_ddp, optimizer, scaler, progress, args, split.class_names,
+                                            ctx.world_size, extra, evaluated), output_dir, is_best)
+        if args.trace_collectives:  # rank 0 prints where the ranks met in this epoch
+            collective_trace.print_epoch(epoch, output_dir, ctx)
+    if args.report:  # barrier, all_gather, all_reduce, all_gather: best.pth's weights, class by class
+        report.report_on_best(model_without_ddp, val_loader, split, output_dir, args, ctx)
+    if ctx.is_main:
+        tensorboard.close()
+        if args.scaling:  # what the processes bought: metrics.jsonl's epochs, DDP's timers
+            scaling.report(output_dir, model, ctx)
+        if args.plots:  # the curves, the classes, augmented samples and the report's pictures, as PNGs
+            report.draw_plots(output_dir)
+        print(f"done: best val_acc {progress.best_acc:.4f}; checkpoints and logs in {output_dir}", flush=True)
 
 
 if __name__ == "__main__":

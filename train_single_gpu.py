@@ -11,44 +11,40 @@ train_single_gpu.py train_multi_gpu_using_launch.py` shows them, and docs/how-it
 why each call is where it is.
 """
 import signal
-
-from cluster.sigterm import Preemption
-
-# SIGTERM, however it comes (SLURM's time limit, scancel, `kill`): before training this process
-# exits 75, for the scheduler to requeue the job; during training it stops after the step it is
-# in and saves the position. Set first: loading torch takes seconds.
-preemption = Preemption()
-signal.signal(signal.SIGTERM, preemption.on_sigterm)
-
 import sys
-import time
+import threading
 
 import torch
 from torch import nn
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.tensorboard import SummaryWriter
 
-# The data-parallel core: the lesson, with this file (docs/how-it-works.md walks through it).
-from multi_train_utils.config import check_and_list_images, read_command_line
-from multi_train_utils.distributed_utils import process_context
-from multi_train_utils.loaders import build_datasets
-from multi_train_utils.resume import restore_training
-from multi_train_utils.train_eval_utils import build_model, build_optimizer, evaluate_epoch, train_one_epoch
-# The machinery around it: what a cluster does to a run, and what rank 0 writes.
-from cluster.check import check
-from cluster.preemption import save_position_and_exit
-from outputs.report import evaluate_only, report_on_best
-from outputs.run_folder import RunFiles, create_run_folder, read_resume_checkpoint
-from utils import exit_on_error
+# The core: the lesson, with this file.
+from model import create_model
+from multi_train_utils.checkpoint import make_checkpoint, save_checkpoint
+from multi_train_utils.config import DEFAULT_EPOCHS, check_options, get_args_parser, list_images_of
+from multi_train_utils.distributed_utils import ShardSampler, job_precision, loader_options, process_context
+from multi_train_utils.run_folder import create_run_folder, epoch_line, epoch_record, write_epoch, write_run_files
+from multi_train_utils.train_eval_utils import Extras, Progress, build_optimizer, evaluate, train_one_epoch
+from my_dataset import EpochKeys, train_and_val_sets
+from utils import exit_on_error, split_samples
+# What a default run never enters: each is one `if` below.
+from cluster import preemption
+from multi_train_utils import resume
+from outputs import report
+from recipe import budget, extras
 
 
-@exit_on_error()  # our own errors: one `error:` line and an exit code, no traceback; Ctrl-C: 130
+@exit_on_error()  # an error: one `error:` line (or a traceback) and an exit code; Ctrl-C: 130
 def main() -> None:
-    args = read_command_line("single", __doc__)
-    plan = check_and_list_images(args, "single")  # options checked, images downloaded (--download) and listed
-    if args.check:
+    args = get_args_parser(__doc__, "single").parse_args()
+    check_options(args, "single")  # a mistake is one `error:` line
+    plan = list_images_of(args, "single")  # --download; the class folders, or the folder's train/ and val/
+    if args.check:  # diagnose instead of training
+        from cluster.check import check  # a program of its own: imported only here
         sys.exit(check(plan, None))
-    ctx = process_context(None, args.device)  # the device, and this process's share of the cores
-    output_dir = create_run_folder(plan, ctx)  # and the configuration printed
+    ctx = process_context(None, args.device)  # the device, and this process's share of the CPUs
+    output_dir = create_run_folder(args, "single", ctx)  # and the configuration printed
     train(plan, ctx, output_dir)
 
 
@@ -57,55 +53,96 @@ def train(plan, ctx, output_dir) -> None:
     device: rank 0 of 1, no process group, so every collective the multi-GPU launchers make is
     plain arithmetic here (a sum of one) or nothing. `output_dir`: the run folder."""
     args = plan.args
-    began = time.perf_counter()
-    checkpoint = read_resume_checkpoint(args, output_dir, ctx)  # --resume's, or None
-    data = build_datasets(plan, checkpoint, ctx)  # the unreadable files left out, the images split
-    # A DistributedSampler of one replica: a new order of the training images every epoch,
-    # as the multi-GPU launchers draw them.
-    train_sampler = DistributedSampler(data.train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+    checkpoint = None
+    if args.resume:  # --resume's checkpoint
+        checkpoint = resume.read_checkpoint(args, output_dir, ctx)
+    if checkpoint or args.check_images:  # the run's recorded files, or those that decode
+        split, data_root, lost_files = resume.checked_split(plan, checkpoint, ctx)
+    else:  # stratified by class, drawn by --seed (or the folder's own train/ and val/)
+        split, data_root, lost_files = split_samples(plan.samples, plan.class_names, args.val_rate, args.seed,
+                                                     plan.val_files), args.data_path, False
+    ctx.print0(split.summary())
+    train_set, val_set = train_and_val_sets(split, args)
+    if args.cache or args.device_augment:  # the pictures decoded once
+        train_set, val_set = extras.decoded_once(split, train_set, val_set, args, ctx)
+    # A DistributedSampler of one replica: a new order of the training images every epoch, as the multi-GPU
+    # launchers draw them.
+    train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
                                        seed=args.seed)
-    train_loader, val_loader = data.loaders(train_sampler, args, ctx)  # validation: unpadded shards
+    options = loader_options(args, ctx)  # batches, workers (its CPUs less one), pinned memory for a GPU
+    # A last batch of one image breaks BatchNorm in training mode: dropped (the shuffle changes which images it holds).
+    train_loader = DataLoader(train_set, sampler=EpochKeys(train_sampler), **options,
+                              drop_last=len(train_sampler) > args.batch_size)
+    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), ctx), **options)  # each image once
+    if args.device_augment:  # each batch cropped on the device, from the pictures decoded there
+        train_loader, val_loader = extras.device_loaders(train_loader, val_loader, args, ctx)
 
-    model = build_model(args, len(data.class_names), ctx)  # seeded: the same initial weights every run
-    if args.eval_only:
-        evaluate_only(model, checkpoint, val_loader, data, output_dir, args, ctx)
+    torch.manual_seed(args.seed)  # the same initial weights in every rerun
+    model = create_model(len(split.class_names), args.model, args.zero_init_residual, args.blurpool)
+    if args.weights or args.freeze_layers:  # the weights to start from; the classifier alone trains
+        extras.initial_weights(model, args, ctx)
+    model.to(ctx.device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    amp_dtype = job_precision(args.amp, ctx)  # the precision this device runs natively
+    if args.eval_only:  # the weights --resume or --weights gives, evaluated; their report
+        report.evaluate_only(model, checkpoint, val_loader, split, output_dir, args, ctx)
         return
     if checkpoint:
         model.load_state_dict(checkpoint["model"])
+    if ctx.device.type == "cuda":  # cuDNN's autotuning; a CUDA graph's side stream
+        extras.prepare_gpu(args, ctx)
     # One process: no SyncBatchNorm, no DistributedDataParallel; the multi-GPU launchers wrap the model here.
-    model_without_ddp = model  # what is saved, evaluated and averaged: its weights load under any launcher
+    model_without_ddp = model  # what is saved and evaluated: its weights load under any launcher
     if args.compile:
         model = torch.compile(model)
     # The learning rate, set at every step, peaks at --lr x batch / 256.
-    optimizer, scaler, ema = build_optimizer(model_without_ddp, args, ctx.device)  # ema: --ema's average
+    optimizer, scaler = build_optimizer(model_without_ddp, args, amp_dtype)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    preemption.training = True  # from here a SIGTERM stops the run after its step, the position saved
-    # --resume: the optimizer state restored; a stopped epoch goes on after its last step.
-    progress = restore_training(checkpoint, optimizer, scaler, ema, train_loader, data.lost_files, args, ctx)
+    extra = Extras()
+    if args.ema or args.mixup_alpha or args.cutmix_alpha or args.bn_recalibrate or ctx.device.type == "cuda":
+        extra = extras.training_extras(model, model_without_ddp, optimizer, split, args, ctx)  # and a CUDA graph
+    progress = Progress(last_epoch=budget.most_epochs(args) if args.time_budget else args.epochs or DEFAULT_EPOCHS)
+    if checkpoint:  # the optimizer state; a stopped epoch goes on after its last step
+        progress = resume.restore_training(checkpoint, progress, optimizer, scaler, extra, train_loader, lost_files,
+                                           args, ctx)
+    ctx.print0(f"training: epoch {progress.epoch + 1} of {progress.last_epoch}, {len(train_loader)} batches a process")
+    tensorboard = SummaryWriter(output_dir) if ctx.is_main else None  # its writer thread is torch's
+    if ctx.is_main:  # config.json, class_indices.json, split.json
+        write_run_files(output_dir, args, plan.launcher, split, data_root, ctx, progress)
 
-    best = None
-    files = RunFiles(output_dir, plan, data.split, data.root, progress, model_without_ddp, optimizer, scaler, ema,
-                     ctx, began)
-    with files:  # config.json and the split written now, each epoch's files beside the training
-        for epoch in range(progress.epoch + 1, progress.last_epoch + 1):
-            if args.time_budget:
-                progress.fit_epochs_to_budget(args, train_loader, output_dir, ctx)  # once epoch 1 has run
-                if not progress.budget_allows(epoch, args, ctx):
-                    break
-            train_sampler.set_epoch(epoch)  # a new shuffle every epoch
-            # Every 20 steps a look: a NaN loss ends the run, a SIGTERM stops it after that step.
-            train_stats = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress,
-                                          args, ctx, ema, preemption.requested)
-            if train_stats["stopped_after"]:  # SIGTERM
-                save_position_and_exit(files, epoch, progress, train_stats, output_dir, ctx)  # exit 75
-            evaluated = evaluate_epoch(model_without_ddp, val_loader, args, ctx, ema, data.recalibrate)
-            is_best = evaluated.better_acc > progress.best_acc
-            if is_best:
-                best = (epoch, evaluated)
-            progress.finish_epoch(epoch, evaluated.better_acc, train_stats, evaluated.seconds)
-            files.save_epoch(epoch, progress, train_stats, evaluated, is_best)
-        # best.pth's report, from the outputs its epoch's evaluation kept.
-        report_on_best(model_without_ddp, val_loader, data, output_dir, args, ctx, best)
+    # From here a SIGTERM (SLURM's warning, scancel, `kill`) is a request: the run stops after its step of training
+    # or evaluation, saves the position and exits 75. Before, it ends the process at once (nothing to save); after
+    # the last epoch's evaluation, nothing reads it.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    for epoch in range(progress.epoch + 1, progress.last_epoch + 1):
+        if args.time_budget and not budget.next_epoch_fits(progress, epoch, train_loader, output_dir, args, ctx):
+            break
+        train_sampler.set_epoch(epoch)  # a new shuffle every epoch
+        # Every 20 steps (or 5 s) a look: a NaN loss ends the run, a SIGTERM stops it after that step.
+        trained = train_one_epoch(model, criterion, optimizer, scaler, train_loader, epoch, progress, amp_dtype,
+                                  args, ctx, extra, stop.is_set)
+        # Every image once; about every 5 s, whether a SIGTERM came.
+        evaluated = None if trained.stopped else evaluate(model_without_ddp, val_loader, args, ctx, extra, stop.is_set,
+                                                          trained.seconds_per_step)
+        if trained.stopped or evaluated.stopped:  # SIGTERM: the position saved, exit 75
+            preemption.save_position_and_exit(model_without_ddp, optimizer, scaler, extra, progress, trained, epoch,
+                                              split, output_dir, args, ctx)
+        is_best = progress.finish_epoch(epoch, trained, evaluated)
+        if ctx.is_main:  # rank 0 of 1: the multi-GPU launchers' `if` kept, the same lines
+            record = epoch_record(epoch, trained, evaluated, split, args, ctx)
+            print(epoch_line(record, progress.last_epoch, is_best), flush=True)
+            write_epoch(output_dir, record, tensorboard)  # metrics.jsonl and TensorBoard, before the checkpoint
+            # torch.save to a temporary file, renamed over last.pth (and best.pth first, when the epoch is the best).
+            save_checkpoint(make_checkpoint(model_without_ddp, optimizer, scaler, progress, args, split.class_names,
+                                            ctx.world_size, extra, evaluated), output_dir, is_best)
+    if args.report:  # best.pth's weights, class by class
+        report.report_on_best(model_without_ddp, val_loader, split, output_dir, args, ctx)
+    if ctx.is_main:
+        tensorboard.close()
+        if args.plots:  # the curves, the classes, augmented samples and the report's pictures, as PNGs
+            report.draw_plots(output_dir)
+        print(f"done: best val_acc {progress.best_acc:.4f}; checkpoints and logs in {output_dir}", flush=True)
+
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import shutil
 import stat
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,10 +26,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
-
-FLOWERS_URL = "https://storage.googleapis.com/download.tensorflow.org/example_images/flower_photos.tgz"
-# From tensorflow/datasets url_checksums/tf_flowers.txt.
-FLOWERS_SHA256 = "4c54ace7911aaffe13a365c34f650e71dd5bf1be0a58b464e5a7183e3e595d9c"
+SPLIT_FOLDERS = ("train", "val", "valid", "validation")  # a folder split already: train/ and one of the others
 
 Sample = tuple[str, int]  # (path, class index)
 
@@ -65,106 +63,87 @@ class Preempted(ProjectError):
     prefix = "stopped"
 
 
-def stderr_line(text: str) -> None:
+def stderr_line(text: str) -> str:
     # One write per line: every rank of a job may report at once on the same terminal or pipe,
     # and print() writes the newline separately, which lets two ranks' lines run together.
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
+    return text
 
 
 @contextlib.contextmanager
 def exit_on_error(rank: int | None = None) -> Iterator[None]:
-    """Turn our own errors into one `error:` line and an exit code, without a traceback; and
-    let the process end quickly (skip_collection_at_exit). Under torchrun the line is also
-    torchrun's error file, which its failure summary shows. `rank`: a process of a job that
-    mp.spawn started, whose other errors keep their traceback (mp.spawn shows the first it
-    notices, often a rank that only lost its peer) and get a line of their own first, naming
-    the rank, so that the first cause stays on screen."""
+    """End the process with an exit code however `with`'s body failed: our own errors as one line,
+    any other with its traceback (`rank`: a process mp.spawn started). Exiting from here frees the
+    failed frames, so the DataLoader ends its workers, which ignore the job's SIGTERM: an exception
+    left to the interpreter would keep them, and the process would wait for them for ever."""
     skip_collection_at_exit()
     try:
         yield
     except ProjectError as e:
-        stderr_line(f"{e.prefix}: {e}")
-        record_for_torchrun(e)
+        record_for_torchrun(e, stderr_line(f"{e.prefix}: {e}"))
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         stderr_line("interrupted")
         sys.exit(130)  # the shell's code for "ended by SIGINT"
     except Exception as e:
-        if rank is not None:
-            stderr_line(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
+        record_for_torchrun(e, stderr_line((f"rank {rank}: " if rank is not None else "") + traceback.format_exc().rstrip()))
+        sys.exit(1)
 
 
-def record_for_torchrun(error: ProjectError) -> None:
-    """Write `error` where torchrun's agent reads a worker's failure (TORCHELASTIC_ERROR_FILE,
-    set for each worker), in the form torch's own ErrorHandler writes, so that its summary names
-    the cause instead of "exitcode: 1" (the one line, not a traceback)."""
+def record_for_torchrun(error: Exception, text: str) -> None:
+    """Write `error` where torchrun's agent reads a worker's failure (TORCHELASTIC_ERROR_FILE), as
+    torch's own ErrorHandler (and @record) would: its summary then names the cause."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or error.exit_code == 75:  # a preemption is no failure to summarise
+    if not path or getattr(error, "exit_code", 1) == 75:  # a preemption is no failure to summarise
         return
     with contextlib.suppress(OSError):
         with open(path, "w") as f:
             json.dump({"message": {"message": f"{type(error).__name__}: {error}",
-                                   "extraInfo": {"py_callstack": f"{error.prefix}: {error}",
-                                                 "timestamp": str(int(time.time()))}}}, f)
+                                   "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
 
 
 def skip_collection_at_exit() -> None:
-    """Freeze every object once the exit handlers have run: the interpreter's last garbage
-    collections then skip the millions that torch and torchvision made, and a process that
-    imported them ends in about 0.2 s instead of 0.8 (docs/performance.md). Nothing is left
-    unsaved by it: every file this project writes is closed (and synced) explicitly."""
+    """Freeze every object once the exit handlers have run: the interpreter's last collections skip
+    the millions torch made, and the process ends in about 0.2 s instead of 0.8 (performance.md)."""
     atexit.unregister(gc.freeze)  # once, however many entry points ran in this process
     atexit.register(gc.freeze)
 
 
 def cpu_count() -> int:
-    """CPUs this process may run on (respects taskset and cgroup cpusets, unlike os.cpu_count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
-
-
-def cores_per_process(processes_per_machine: int) -> int:
-    """This process's CPUs: all it may use if bound (srun's --cpus-per-task, taskset), else its share."""
-    usable = cpu_count()
-    if usable < (os.cpu_count() or usable):
-        return usable
-    return max(1, usable // processes_per_machine)
+    """CPUs this process may run on (taskset's and cgroups' too, unlike os.cpu_count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def load_rgb(path: str, min_size: int | None = None) -> Image.Image:
-    """Decode any image file into an upright 8-bit RGB picture.
-
-    `min_size` lets the JPEG decoder skip detail we would throw away: it decodes at 1/2, 1/4
-    or 1/8 scale while both sides stay at least `min_size`, which makes large photos several
-    times cheaper to open.
-    """
+    """Any image file as an upright 8-bit RGB picture. `min_size` lets the JPEG decoder skip
+    detail we would throw away: it decodes at 1/2 to 1/8 scale while both sides stay at least
+    `min_size`, which makes large photos several times cheaper to open."""
     with Image.open(path) as img:
         if min_size and img.format == "JPEG":
             img.draft("RGB", (min_size, min_size))
         img = ImageOps.exif_transpose(img)  # also decodes
+    return img if img.mode == "RGB" else rgb_of(img)
+
+
+def rgb_of(img: Image.Image) -> Image.Image:
+    """A picture of any other mode as 8-bit RGB: 16-bit and 32-bit grayscale scaled (convert()
+    would clip everything above 255 to white), transparent pixels on white (they often hold
+    black or garbage colour)."""
     if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
-        # 16-bit and 32-bit grayscale: convert("RGB") would clip everything above 255 to white.
         wide = np.asarray(img, dtype=np.float64)
         peak = 65535.0 if img.mode.startswith("I;16") else max(float(wide.max()), 1.0)
         img = Image.fromarray((np.clip(wide / peak, 0, 1) * 255).round().astype(np.uint8), "L")
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
-        # Transparent pixels often hold black or garbage colour: put them on white.
         rgba = img.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        img = Image.alpha_composite(background, rgba)
-    return img.convert("RGB") if img.mode != "RGB" else img
+        img = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+    return img.convert("RGB")
 
 
 def image_files(folder: str | Path, seen: set[tuple[int, int]] | None = None,
                 loops: list[str] | None = None) -> list[str]:
-    """Every image file below `folder`, in a stable order. Hidden files and folders, and files
-    whose extension is not an image's, are skipped quietly. Links are followed, but each folder
-    is listed once: a link to a folder already in `seen` (a loop, which would list the same
-    images without end) is not followed, and goes in `loops`."""
+    """Every image file below `folder` (not hidden, an image's extension), in a stable order. Links
+    are followed, but a link to a folder already in `seen` (a loop) is not, and goes in `loops`."""
     seen = set() if seen is None else seen
     seen.add(_folder_id(folder))
     found: list[str] = []
@@ -193,43 +172,31 @@ def _first_visit(path: str, seen: set[tuple[int, int]], loops: list[str] | None)
 
 def list_images(root: str, num_classes: int | None = None,
                 log: Callable[[str], None] = print) -> tuple[list[str], list[Sample]]:
-    """Class names (sorted sub-folder names) and every image file below them (`image_files`);
-    whether an image actually decodes is checked later by `find_unreadable`. Links back to a
-    folder already listed, and class folders with no images, are left out with a warning."""
+    """Class names (the sorted sub-folders') and every image file below them. Links back to a folder
+    already listed, and class folders with no images, are left out with a warning."""
     path = Path(root)
     if not path.is_dir():
-        raise UserError(
-            f"data folder {root!r} does not exist: point --data-path at a folder with one "
-            "sub-folder per class, or add --download to fetch flower_photos"
-        )
+        raise UserError(f"data folder {root!r} does not exist: point --data-path at a folder with one sub-folder "
+                        "per class, or add --download to fetch flower_photos")
     class_names = sorted(d.name for d in path.iterdir() if d.is_dir() and not d.name.startswith("."))
-    # The data folder and every class folder count as listed from the start, so that a link
-    # up to one of them is a loop whichever class folder it sits in.
-    seen = {_folder_id(path), *(_folder_id(path / name) for name in class_names)}
-    loops: list[str] = []
+    # The data folder and every class folder count as listed from the start, so that a link up to one of
+    # them is a loop whichever class folder it sits in.
+    seen, loops = {_folder_id(path), *(_folder_id(path / name) for name in class_names)}, []
     files = {name: image_files(path / name, seen, loops) for name in class_names}
     if loops:
         log(f"warning: not following links to folders already listed: {', '.join(loops)}")
     if not any(files.values()):
-        raise UserError(
-            f"no images found in {root!r}: expected one sub-folder per class holding "
-            f"{', '.join(IMG_EXTENSIONS)} files"
-        )
-    empty = [name for name in class_names if not files[name]]
-    if empty:
+        raise UserError(f"no images found in {root!r}: expected one sub-folder per class holding "
+                        f"{', '.join(IMG_EXTENSIONS)} files")
+    if empty := [name for name in class_names if not files[name]]:
         log(f"warning: leaving out folders with no images: {', '.join(empty)}")
     class_names = [name for name in class_names if files[name]]  # a folder of no images is no class
     if len(class_names) < 2:
         raise UserError(f"found only one class ({class_names[0]!r}) in {root!r}: need at least two")
     if num_classes is not None and num_classes != len(class_names):
-        raise UserError(
-            f"--num-classes is {num_classes}, but {root!r} has {len(class_names)} classes "
-            f"({', '.join(class_names)}); drop --num-classes to infer it"
-        )
+        raise UserError(f"--num-classes is {num_classes}, but {root!r} has {len(class_names)} classes "
+                        f"({', '.join(class_names)}); drop --num-classes to infer it")
     return class_names, [(file, label) for label, name in enumerate(class_names) for file in files[name]]
-
-
-TRAIN_FOLDER, VAL_FOLDERS = "train", ("val", "valid", "validation")
 
 
 def given_split(root: str) -> tuple[Path, Path] | None:
@@ -240,12 +207,12 @@ def given_split(root: str) -> tuple[Path, Path] | None:
     if not path.is_dir():
         return None
     folders = {d.name: d for d in path.iterdir() if d.is_dir() and not d.name.startswith(".")}
-    vals = [folders[name] for name in VAL_FOLDERS if name in folders]
-    split_names = [name for name in (TRAIN_FOLDER, *VAL_FOLDERS) if name in folders]
+    vals = [folders[name] for name in SPLIT_FOLDERS[1:] if name in folders]
+    split_names = [name for name in SPLIT_FOLDERS if name in folders]
     others = sorted(set(folders) - set(split_names) - {"test"})
     if not split_names:
         return None
-    if others or TRAIN_FOLDER not in folders or len(vals) != 1:
+    if others or "train" not in folders or len(vals) != 1:
         found = ", ".join(f"{name}/" for name in split_names)
         raise UserError(
             f"{root!r} holds {found}" + (f" beside class folders ({', '.join(others[:5])})" if others else "")
@@ -253,7 +220,7 @@ def given_split(root: str) -> tuple[Path, Path] | None:
             "holding train/ and one of val/, valid/, validation/, each with the same class folders; rename a "
             "class that is really called so"
         )
-    return folders[TRAIN_FOLDER], vals[0]
+    return folders["train"], vals[0]
 
 
 def list_given_split(train: Path, val: Path, num_classes: int | None = None,
@@ -310,17 +277,23 @@ class DataSplit:
     val: list[Sample]
     given: bool = False  # the data folder's own train/ and val/, not --val-rate's draw
 
+    def summary(self) -> str:
+        return (f"{len(self.train) + len(self.val)} images in {len(self.class_names)} classes "
+                f"({', '.join(self.class_names)}): {len(self.train)} for training, {len(self.val)} for validation"
+                + (" (the folder's own split)" if self.given else ""))
 
-def split_samples(samples: list[Sample], class_names: list[str], val_rate: float, seed: int) -> DataSplit:
-    """Stratified split: each class gives round(n * val_rate) images to validation (at least
-    one when it has two or more). Uses its own generator, so the global random state is
-    untouched, and depends only on (files, val_rate, seed): every rank gets the same split."""
-    rng = random.Random(seed)
-    by_class: list[list[str]] = [[] for _ in class_names]
+
+def split_samples(samples: list[Sample], class_names: list[str], val_rate: float, seed: int,
+                  val_files: frozenset[str] | None = None) -> DataSplit:
+    """The folder's own split where it has train/ and val/ (`val_files`: the latter's images);
+    else each class gives round(n * val_rate) images to validation (at least one of two or more),
+    drawn by a generator of its own from (files, val_rate, seed): every rank gets the same split."""
+    if val_files is not None:
+        return DataSplit(class_names, [s for s in samples if s[0] not in val_files],
+                         [s for s in samples if s[0] in val_files], given=True)
+    rng, by_class, train, val = random.Random(seed), [[] for _ in class_names], [], []
     for p, label in samples:
         by_class[label].append(p)
-    train: list[Sample] = []
-    val: list[Sample] = []
     for label, paths in enumerate(by_class):
         paths = sorted(paths)
         rng.shuffle(paths)
@@ -333,8 +306,7 @@ def split_samples(samples: list[Sample], class_names: list[str], val_rate: float
 
 
 def file_stamp(path: str) -> list[int] | None:
-    """(size, modification time in ns) of a file, or None when it is gone: what tells a file
-    that changed since a run recorded it, without reading it."""
+    """(size, modification time in ns) of a file, or None when it is gone: what tells a changed file."""
     try:
         st = os.stat(path)
     except OSError:
@@ -343,8 +315,8 @@ def file_stamp(path: str) -> list[int] | None:
 
 
 def save_split(split: DataSplit, path: Path, data_path: str) -> None:
-    """split.json: the run's classes and files, the folder they were listed from, and each
-    file's stamp (a resumed run trains on exactly these, and checks them by their stamps)."""
+    """split.json: the run's classes and files, their folder, and each file's stamp: a resumed run
+    trains on exactly these, and checks them by their stamps."""
     write_json(path, {"class_names": split.class_names, "train": split.train, "val": split.val,
                       "split_by": "folders" if split.given else "val_rate", "data_path": os.path.abspath(data_path),
                       "stamps": [file_stamp(p) for p, _ in split.train + split.val]})
@@ -384,8 +356,7 @@ def write_json(path: Path, obj: Any) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Written beside `path`, then renamed over it: a kill leaves the old text or the new."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
+    with open(tmp := path.with_name(f".{path.name}.tmp"), "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -410,6 +381,10 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+FLOWERS_URL = "https://storage.googleapis.com/download.tensorflow.org/example_images/flower_photos.tgz"
+FLOWERS_SHA256 = "4c54ace7911aaffe13a365c34f650e71dd5bf1be0a58b464e5a7183e3e595d9c"  # tensorflow/datasets' tf_flowers
 
 
 def download_flower_photos(data_path: str, log: Callable[[str], None] = print) -> None:

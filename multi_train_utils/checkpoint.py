@@ -3,16 +3,16 @@ atomically, read without running code. Also reading the weight files that --weig
 
 A checkpoint is everything needed to continue: the unwrapped model's weights, the optimizer,
 the loss scaler, the epochs done (and the epoch count --time-budget fixed), the best accuracy
-so far, the configuration and the class names. The learning-rate schedule is a function of the
-step, so there is nothing of it to save.
+so far, the configuration and the class names. The learning rate and the random draws of
+dropout are functions of the step, so there is nothing of them to save.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pickle
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,39 +21,24 @@ import torch
 from torch import nn
 
 from model import DEFAULT_MODEL, create_model, imagenet_state_dict
-from multi_train_utils.progress import Progress
 from utils import UserError
 
-REQUIRED_KEYS = ("model", "optimizer", "scaler", "epoch", "best_acc", "args", "class_names")
+LAST, BEST = "last.pth", "best.pth"
 
 
 def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                    progress: Progress, args: argparse.Namespace, class_names: list[str], world_size: int,
-                    ema: nn.Module | None = None, better: str = "model",
-                    evaluated_bn: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-    """`model` is the unwrapped one (no DDP, not compiled): its keys then fit any launcher.
-    `ema`: the weight average, when the run keeps one; `better`: which of "model" and "ema"
-    scored higher in this epoch's evaluation, the weights a user of this file ships;
-    `evaluated_bn`: the BatchNorm statistics that evaluation recomputed for those (--bn-recalibrate)."""
+                    progress: Any, args: argparse.Namespace, class_names: list[str], world_size: int,
+                    extra: Any = None, evaluated: Any = None) -> dict[str, Any]:
+    """`model` unwrapped (no DDP, not compiled: its keys fit any launcher); `progress`, how far the
+    run has come; --ema's average (`extra`); `evaluated`: which weights scored higher (the ones a user
+    ships) and the BatchNorm statistics --bn-recalibrate computed for them."""
     return {
-        "model": model.state_dict(),
-        **({"ema": ema.state_dict()} if ema is not None else {}),
-        "better": better,
-        **({"evaluated_bn": evaluated_bn} if evaluated_bn is not None else {}),
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(),
-        "epoch": progress.epoch,
-        "best_acc": progress.best_acc,
-        "steps_in_epoch": progress.steps_in_epoch,
-        "epoch_sums": list(progress.epoch_sums),
-        "epoch_seconds": progress.epoch_seconds,
-        "budget_epochs": progress.budget_epochs,
-        "seconds_used": progress.seconds_used,
-        "slowest_train": progress.slowest_train,
-        "first_epoch": list(progress.first_epoch) if progress.first_epoch else None,
-        "args": vars(args),
-        "class_names": class_names,
-        "world_size": world_size,  # any world size resumes it; a position inside an epoch, this one only (resume.py)
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+        **dataclasses.asdict(progress), "args": vars(args), "class_names": class_names,
+        "world_size": world_size,  # any world size resumes it; a position inside an epoch, this one only
+        "better": evaluated.better if evaluated is not None else "model",
+        **({"ema": extra.ema.module.state_dict()} if extra is not None and extra.ema is not None else {}),
+        **({"evaluated_bn": evaluated.evaluated_bn} if evaluated is not None and evaluated.evaluated_bn else {}),
     }
 
 
@@ -95,91 +80,31 @@ def check_classes(checkpoint: dict[str, Any], class_names: list[str], source: st
         raise UserError(f"{source} was trained on classes {checkpoint['class_names']}, but the data has {class_names}")
 
 
-def snapshot(obj: Any) -> Any:
-    """A copy of a checkpoint, taken now, in host memory: training goes on changing the tensors
-    it names while a background writer saves the copy. GPU tensors go to pinned memory, all
-    copies queued first and waited for once, on a stream of their own: a pinned block records an
-    event on the stream it was copied on when it is freed (by the writer thread, later), and that
-    must not be the stream whose steps may be captured into a CUDA graph at that moment."""
-    copies: list[torch.Tensor] = []
-    streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def copy(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            if value.device.type == "cpu":
-                return value.detach().clone()
-            if value.device not in streams:
-                streams[value.device] = torch.cuda.Stream(value.device)
-                streams[value.device].wait_stream(torch.cuda.current_stream(value.device))  # the values are final
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            with torch.cuda.stream(streams[value.device]):
-                copies.append(host.copy_(value.detach(), non_blocking=True))
-            return host
-        if isinstance(value, dict):
-            return {k: copy(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(copy(v) for v in value)
-        return value
-
-    result = copy(obj)
-    if copies:
-        torch.cuda.synchronize()
-    return result
+def save_checkpoint(checkpoint: dict[str, Any], output_dir: Path, is_best: bool = False) -> None:
+    """last.pth; where the epoch is the best so far, best.pth first and last.pth a hard link to it
+    (no byte written twice): a kill between the two leaves the previous epoch's last.pth, whose
+    resumed run trains this epoch again, never a best.pth behind the best accuracy last.pth records."""
+    if not is_best:
+        return save_atomic(checkpoint, output_dir / LAST)
+    save_atomic(checkpoint, output_dir / BEST)
+    tmp = output_dir / f".{LAST}.tmp"
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(output_dir / BEST, tmp)
+    except OSError:  # a file system without hard links
+        shutil.copyfile(output_dir / BEST, tmp)
+    os.replace(tmp, output_dir / LAST)
 
 
 def save_atomic(obj: Any, path: Path) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename over it: a crash or a kill
-    at any moment leaves either the old file or the new one, never half of one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, new_file_mode())  # mkstemp makes it private to the owner; the umask decides, as for any file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def new_file_mode() -> int:
-    """The mode open() gives a new file under this process's umask (0o644 under the usual 022,
-    0o664 under a group's 002), read without os.umask(), which would change it for every thread
-    a moment."""
-    try:
-        with open("/proc/self/status") as f:
-            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError):  # not Linux, or a kernel before 4.7
-        umask = 0o022
-    return 0o666 & ~umask
-
-
-def copy_atomic(src: Path, dst: Path) -> None:
-    """`dst` becomes a copy of `src`: a hard link where the file system allows (no bytes
-    written), else a real copy, either way swapped in by rename."""
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:  # the copy's bytes on disk before the rename makes them best.pth
-            os.fsync(f.fileno())
-    os.replace(tmp, dst)
-    _fsync_dir(dst.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    # The rename itself is durable only once the directory entry is on disk.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(fd)
+    """torch.save to a temporary file beside `path`, on disk before it is renamed over `path`: a kill
+    at any moment leaves the old file or the new one, never half of one (the next run removes it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def why_unloadable(error: Exception) -> str:
@@ -190,7 +115,9 @@ def why_unloadable(error: Exception) -> str:
     return "it is truncated, corrupt, or not a PyTorch file"
 
 
-def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, mmap: bool = False,
+                    required: tuple[str, ...] = ("model", "optimizer", "scaler", "epoch", "best_acc", "args",
+                                                 "class_names")) -> dict[str, Any]:
     """One of our checkpoints, or a UserError saying why `path` is not one.
 
     `weights_only=True` restricts unpickling to tensors and plain containers, so a file
@@ -203,7 +130,7 @@ def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # torch.load raises many types for a bad file
         raise UserError(f"cannot read checkpoint {str(path)!r}: {why_unloadable(e)}") from None
-    missing = [k for k in REQUIRED_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise UserError(
             f"{str(path)!r} is not a training checkpoint of this project (missing {', '.join(missing)}); "

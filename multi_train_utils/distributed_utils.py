@@ -1,44 +1,32 @@
-"""Process setup and teardown, and the few collectives the training loop needs.
+"""Who this process is, its device and share of the CPUs, and the few collectives the launchers
+call by name.
 
 Distributed state is a value: `process_context` returns a frozen `DistContext` that the rest of
-the code receives as an argument. Every reduction here is plain arithmetic when no process group
-exists, so the single-process path runs the same code as DDP.
+the code receives as an argument. Each collective helper here is named for the collective it
+makes, and is plain arithmetic when no process group exists, so one process runs the same code.
 """
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import gc
-import inspect
 import multiprocessing
-import multiprocessing.forkserver
-import multiprocessing.resource_tracker
 import os
 import signal
 import socket
 import sys
 import time
-import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import Sampler
 
-from processes.helper_signals import ForkWithSigtermBlocked, sigterm_blocked
-from utils import ProjectError, UserError, cores_per_process, stderr_line
+from my_dataset import default_workers
+from utils import UserError, cpu_count
 
-# Seconds a job started one process at a time (srun, by hand) has to meet before rank 0 names
-# the missing (torchrun's agents wait themselves: --rdzv-conf join_timeout).
-JOIN_SECONDS = 60
-# Seconds the other processes of a job get to exit by themselves once one has failed, before
-# SIGTERM, and again before SIGKILL (mp.spawn's own default waits 30 s at each stage).
-STOP_GRACE_SECONDS = 5
-# Before torch 2.8 (pytorch#154976), destroying a gloo group joins gloo's threads holding the GIL,
-# while a thread may still be freeing the tensors of an object collective (broadcast_object,
-# gather_objects), for which it needs the GIL: a deadlock. A pause after those lets it finish.
+# Before torch 2.8 (pytorch#154976), destroying a gloo group joins gloo's threads holding the GIL, while one
+# may still be freeing the tensors of an object collective, for which it needs the GIL: a deadlock. A pause
+# after those lets it finish.
 GLOO_TEARDOWN_PAUSE = 0.1 if tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 8) else 0.0
 
 
@@ -50,6 +38,7 @@ class Ranks:
     local_rank: int
     world_size: int
     local_world_size: int
+    srun_task: bool = False  # a task srun started: the CPUs SLURM gave it are its own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +48,14 @@ class DistContext:
     world_size: int
     local_world_size: int
     device: torch.device
-    distributed: bool  # a process group exists (also true for a torchrun job of one process)
-    backend: str = "gloo"  # the process group's: --backend, else NCCL on GPUs and gloo on the CPU
+    distributed: bool  # a process group exists (also for a torchrun job of one process)
+    backend: str = "gloo"  # --backend, else NCCL on GPUs and gloo on the CPU
+    cpus: int = 1  # the CPUs this process may take: its math threads, its loader workers and itself
 
     @classmethod
     def single(cls, device: torch.device = torch.device("cpu")) -> DistContext:
         """One process, no process group."""
-        return cls(0, 0, 1, 1, device, distributed=False)
+        return cls(0, 0, 1, 1, device, distributed=False, cpus=cpu_count())
 
     @property
     def is_main(self) -> bool:
@@ -77,32 +67,18 @@ class DistContext:
 
 
 def env_ranks(local_rank_arg: int | None = None) -> Ranks | None:
-    """Who this process is, from torchrun's or SLURM's environment; None when neither started it.
-
-    torchrun and `torch.distributed.launch --use_env` export RANK/LOCAL_RANK/WORLD_SIZE; the
-    legacy launcher without --use_env passes --local-rank instead of LOCAL_RANK. Under `srun`
-    one task is one process, described by SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; the job
-    script exports MASTER_ADDR/MASTER_PORT (flowers.sbatch).
-    """
+    """Who this process is, from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE; the legacy launcher without --use_env passes --local-rank instead of
+    LOCAL_RANK); None when torchrun did not start it (srun may have: cluster/rendezvous.py)."""
     env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world_size = int(env["WORLD_SIZE"])
-        local_rank = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
-        return Ranks(int(env["RANK"]), local_rank, world_size, int(env.get("LOCAL_WORLD_SIZE", world_size)))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
-        if missing:
-            raise UserError(f"running under SLURM but {' and '.join(missing)} is not set: export the first "
-                            "node's address and a free port in the job script (flowers.sbatch does)")
-        world_size, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))
-        per_node = int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0] or 0) or max(1, world_size // nodes)
-        return Ranks(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), world_size, per_node)
-    return None
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    local_rank = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
+    return Ranks(int(env["RANK"]), local_rank, int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
 
 
 def parse_device(spec: str | None) -> torch.device:
-    """`--device` as written: `None` means CUDA when present, else the CPU; a bare number N
-    means GPU N, as in the original scripts."""
+    """`--device` as written: None is CUDA when present, else the CPU; N is GPU N (the original's)."""
     if spec is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if "," in spec:
@@ -116,245 +92,95 @@ def parse_device(spec: str | None) -> torch.device:
 
 def resolve_device(spec: str | None, local_rank: int, local_world_size: int = 1,
                    distributed: bool = False) -> torch.device:
-    """The device of this process: `--device`'s type, and on CUDA the GPU of its local rank.
-    An explicit GPU index is for one process alone; in a job it must agree with that rule."""
+    """This process's device: `--device`'s type, on CUDA the GPU of its local rank."""
     device = parse_device(spec)
-    if device.type != "cuda":
-        return device
+    return local_gpu(device, spec, local_rank, local_world_size, distributed) if device.type == "cuda" else device
+
+
+def local_gpu(device: torch.device, spec: str | None, local_rank: int, local_world_size: int,
+              distributed: bool) -> torch.device:
+    """The GPU of this process's local rank (a GPU named by its index is for one process alone)."""
     available = torch.cuda.device_count()
     if available == 0:
         raise UserError(f"--device {spec} asked for CUDA, but no GPU is visible")
     if distributed and device.index is not None and (local_world_size > 1 or device.index != local_rank):
-        raise UserError(
-            f"--device {spec} names GPU {device.index}, but in a job each process takes the GPU of its local rank "
-            f"({local_world_size} process(es) on this machine): pass --device cuda, and choose the GPUs with "
-            "CUDA_VISIBLE_DEVICES"
-        )
-    index = local_rank if device.index is None else device.index
-    if device.index is None and available == 1:
-        # `srun --gpus-per-task=1` (and a CUDA_VISIBLE_DEVICES of one GPU per process) shows each
-        # task its own GPU alone: that one, whatever the local rank. Two processes given the same
-        # GPU this way fail in NCCL's start ("Duplicate GPU detected").
-        index = 0
+        raise UserError(f"--device {spec} names GPU {device.index}, but in a job each process takes the GPU of its "
+                        f"local rank ({local_world_size} process(es) on this machine): pass --device cuda, and choose "
+                        "the GPUs with CUDA_VISIBLE_DEVICES")
+    # `srun --gpus-per-task=1` (or a CUDA_VISIBLE_DEVICES of one GPU per process) shows each process its own GPU alone.
+    index = device.index if device.index is not None else 0 if available == 1 else local_rank
     if index >= available:
-        raise UserError(
-            f"this process wants GPU {index}, but only {available} GPU(s) are visible: "
-            f"start at most {available} process(es) per machine"
-        )
+        raise UserError(f"this process wants GPU {index}, but only {available} GPU(s) are visible: "
+                        f"start at most {available} process(es) per machine")
     return torch.device("cuda", index)
 
 
-def _configure_threads(device: torch.device, local_world_size: int) -> None:
-    """Give each CPU process its share of the cores.
-
-    N processes that each start as many math threads as the machine has cores slow each
-    other down several-fold. mp.spawn exports nothing, and torchrun's OMP_NUM_THREADS=1 would
-    leave all but N cores idle, so we divide the cores here. The user's OMP_NUM_THREADS wins.
-    """
-    if device.type != "cpu" or ("OMP_NUM_THREADS" in os.environ and not _torchrun_set_threads(local_world_size)):
-        return
-    torch.set_num_threads(cores_per_process(local_world_size))
-
-
-def _torchrun_set_threads(local_world_size: int) -> bool:
-    """Whether OMP_NUM_THREADS=1 is torchrun's default rather than the user's choice.
-
-    torchrun sets it inside its own process, only when it was unset and more than one process
-    runs per machine; the environment torchrun itself started with (its /proc entry) then lacks
-    it. Where that cannot be read (no /proc), a 1 under such a torchrun counts as the default.
-    """
-    if os.environ.get("OMP_NUM_THREADS") != "1" or "TORCHELASTIC_RUN_ID" not in os.environ or local_world_size < 2:
-        return False
-    launcher = _launcher_environ()
-    return launcher is None or "OMP_NUM_THREADS" not in launcher
-
-
-def _launcher_environ() -> dict[str, str] | None:
-    """The environment this process's parent (torchrun's agent) was started with, if readable."""
-    try:
-        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
-            entries = f.read().split(b"\0")
-    except OSError:
-        return None
-    return dict(e.decode(errors="replace").partition("=")[::2] for e in entries if e)
+def cpus_per_process(ranks: Ranks) -> int:
+    """The CPUs this process may take: those SLURM gave its task where srun started it, else its
+    share, with the other processes of its machine, of those it may run on (taskset, a cpuset)."""
+    if ranks.srun_task and "SLURM_CPUS_PER_TASK" in os.environ:
+        return max(1, min(cpu_count(), int(os.environ["SLURM_CPUS_PER_TASK"])))
+    return max(1, cpu_count() // ranks.local_world_size)
 
 
 def process_context(ranks: Ranks | None, device_spec: str | None, backend: str | None = None) -> DistContext:
-    """This process's device (on CUDA its local rank's GPU, made current), share of the CPU
-    cores and process group backend (`backend`, else NCCL on GPUs and gloo on the CPU), before
-    any process group; `ranks` None: one process."""
+    """This process's device (its local rank's GPU, made current), CPUs and backend (`ranks` None:
+    one process). Its math threads: its CPUs, unless OMP_NUM_THREADS says (torchrun sets 1)."""
     job = ranks or Ranks(0, 0, 1, 1)
     device = resolve_device(device_spec, job.local_rank, job.local_world_size, distributed=ranks is not None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    _configure_threads(device, job.local_world_size)
+    cpus = cpus_per_process(job)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(cpus)
     return DistContext(job.rank, job.local_rank, job.world_size, job.local_world_size, device,
-                       distributed=ranks is not None, backend=backend or ("nccl" if device.type == "cuda" else "gloo"))
+                       distributed=ranks is not None, backend=backend or ("nccl" if device.type == "cuda" else "gloo"),
+                       cpus=cpus)
 
 
-def job_store(ranks: Ranks, timeout_s: float) -> dist.Store | None:
-    """The store `dist.init_process_group` meets at where torch's env:// falls short; else None.
-    Under torchrun each attempt takes a prefix of its own in the agent's store, which keeps the
-    last attempt's keys (gloo's addresses: pytorch/pytorch#135712). A job started one process at
-    a time (srun, the spawn launcher, by hand) meets at rank 0's store, and the missing ranks are
-    named after JOIN_SECONDS (torch's env:// would wait --dist-timeout and name no one)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            return None  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 hosts a new store each attempt
-        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", agent)
-    try:
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    except (KeyError, ValueError):
-        raise UserError("MASTER_ADDR and MASTER_PORT must be set to the address of rank 0's machine and a "
-                        "free port") from None
-    join = datetime.timedelta(seconds=min(JOIN_SECONDS, timeout_s))
-    try:
-        store = dist.TCPStore(host, port, ranks.world_size, is_master=ranks.rank == 0, timeout=join,
-                              wait_for_workers=False)
-    except dist.DistError as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-        raise ProjectError(f"rank {ranks.rank} on {socket.gethostname()}: no rendezvous at {host}:{port} within "
-                           f"{join.seconds} s ({why}): is rank 0 running there, and is the port free and open?") from None
-    store.set(f"joined/{ranks.rank}", socket.gethostname())
-    if ranks.rank == 0:
-        try:
-            store.wait([f"joined/{r}" for r in range(ranks.world_size)], join)
-        except dist.DistError:
-            missing = [r for r in range(ranks.world_size) if not store.check([f"joined/{r}"])]
-            names = ", ".join(f"rank {r}" for r in missing[:8]) + (" and more" if len(missing) > 8 else "")
-            raise ProjectError(f"{ranks.world_size - len(missing)} of {ranks.world_size} processes joined at "
-                               f"{host}:{port} within {join.seconds} s; missing: {names}") from None
-    store.set_timeout(datetime.timedelta(seconds=timeout_s))  # NCCL's start waits on it as long as a collective
-    return store
+def autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype `--amp` asks for on `device`, or None for fp32. auto: bf16 where the
+    hardware runs it natively, fp16 (with loss scaling) on older GPUs, else fp32."""
+    if choice != "auto":
+        return {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}[choice]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    # Without native bf16 instructions the CPU emulates it, slower than fp32; so do torch's and oneDNN's
+    # kernels held below AVX512 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2: 3.5x slower measured).
+    cpu, isa = torch.cpu, os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    native = getattr(cpu, "_is_avx512_bf16_supported", lambda: False)() or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+    capped = isa.startswith(("SSE", "AVX2")) or isa in ("AVX", "AVX512_CORE", "AVX512_CORE_VNNI")
+    return torch.bfloat16 if native and torch.backends.cpu.get_cpu_capability() == "AVX512" and not capped else None
 
 
-def init_distributed(ranks: Ranks | None, device_spec: str | None, backend: str | None = None,
-                     timeout_s: float = 1800) -> DistContext:
-    """process_context and, in a job, `dist.init_process_group`, as the launchers write them out."""
-    ctx = process_context(ranks, device_spec, backend)
-    if ctx.distributed:
-        dist.init_process_group(ctx.backend, store=job_store(ranks, timeout_s), rank=ctx.rank,
-                                world_size=ctx.world_size, timeout=datetime.timedelta(seconds=timeout_s))
-    return ctx
+def job_precision(choice: str, ctx: DistContext) -> torch.dtype | None:
+    """One autocast dtype for the job, the one every rank runs natively (fp32 before fp16 before
+    bf16): ranks in different precisions would take different steps, and the copies of the model
+    would silently part. Collective: an all_gather."""
+    order = [None, torch.float16, torch.bfloat16]
+    dtype = min(gather_objects(autocast_dtype(choice, ctx.device), ctx), key=order.index)
+    ctx.print0(f"precision: {'fp32' if dtype is None else str(dtype).removeprefix('torch.') + ' autocast'}")
+    return dtype
 
 
-def setup_single(device_spec: str | None) -> DistContext:
-    return process_context(None, device_spec)
+def broadcast_object(obj: Any, ctx: DistContext) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not ctx.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    time.sleep(GLOO_TEARDOWN_PAUSE)
+    return box[0]
 
 
-def teardown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        time.sleep(GLOO_TEARDOWN_PAUSE)
-        dist.destroy_process_group()
-
-
-def parse_dist_url(url: str) -> tuple[str, int] | None:
-    """`--dist-url` (the original scripts' init_method): None for env://, else (host, port)."""
-    if url == "env://":
-        return None
-    parts = urllib.parse.urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != "tcp" or not parts.hostname or not port:
-        raise UserError(f"--dist-url {url!r} is not env:// or tcp://HOST:PORT")
-    return parts.hostname, port
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def meeting_point(args: Any) -> None:
-    """Where the spawn launcher's processes meet, exported for them: --dist-url, else MASTER_ADDR
-    and MASTER_PORT, else a free port on 127.0.0.1; on loopback, gloo stays there too."""
-    host, port = parse_dist_url(args.dist_url) or (os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                                                    int(os.environ.get("MASTER_PORT", "0")))
-    os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port or find_free_port(host)))
-    if (host.startswith("127.") or host == "::1") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
-        if loopback:
-            os.environ["GLOO_SOCKET_IFNAME"] = loopback
-            print(f"GLOO_SOCKET_IFNAME={loopback} (gloo stays on loopback)")
-
-
-def stop(processes: list, grace_seconds: float = STOP_GRACE_SECONDS) -> None:
-    """SIGTERM, a grace period, then SIGKILL: nothing outlives the process that started them."""
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    for p in processes:
-        p.join(grace_seconds)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-def prepare_helper_start(ctx: DistContext) -> multiprocessing.context.BaseContext:
-    """How this process starts its helpers (loader workers, plotters). Forking shares the parent's
-    memory and imports; but in a process group gloo's (or NCCL's) threads, and on CUDA autograd's,
-    create Python thread states now and then, and a fork that catches one holding CPython's
-    runtime lock leaves a child that waits for it forever, and the training process for batches
-    that never come: CPython before 3.11.10 (and 3.12.0), python/cpython#112275. There the helpers
-    are forked from a fork server, a process without threads that imports torch once. Elsewhere
-    they are forked with SIGTERM blocked (helper_signals.py)."""
-    fixed = sys.version_info >= (3, 12, 1) or (3, 11, 10) <= sys.version_info < (3, 12)
-    if fixed or not (ctx.distributed or ctx.device.type == "cuda"):
-        return ForkWithSigtermBlocked()
-    server = multiprocessing.get_context("forkserver")
-    server.set_forkserver_preload(["processes.fork_server_start", "torch", "torchvision", "my_dataset",
-                                   "multi_train_utils.loaders", "plots"])
-    # Started now, its imports beside this process. A SIGTERM for the job (SLURM's warning) must
-    # not kill it before fork_server_start ignores it: it starts with the signal blocked (exec
-    # keeps the mask), blocked in this thread alone, so that this process's other threads (gloo's,
-    # NCCL's) still take one. The resource tracker first: its start unblocks SIGTERM.
-    multiprocessing.resource_tracker.ensure_running()
-    with sigterm_blocked():
-        multiprocessing.forkserver.ensure_running()
-    return server
-
-
-def keep_inherited_objects() -> None:
-    """In a forked child: never garbage-collect what the parent left in memory. A finalizer of
-    one of those (a library's thread pool, say onnxruntime's) may wait on a lock that a thread of
-    the parent held at the fork, a thread the child does not have: the child would hang there.
-    It also spares the parent's pages the copies a collection's writes would make."""
-    gc.freeze()
-
-
-def join_processes(context: Any, sigterm_came: Any) -> int:
-    """Wait for the processes of an mp.spawn `context`; the job's exit code. Once one has failed,
-    torch's join gives the others STOP_GRACE_SECONDS, then SIGTERM, as long again, then SIGKILL;
-    Ctrl-C ends them all (130). Once `sigterm_came` is set, SIGTERM is passed on each second: a
-    process still starting at the first had no handler yet (it ignores SIGTERM until then)."""
-    # The others' time to end by themselves once one has failed; torch 2.5's join has no grace
-    # period and sends them SIGTERM at once (then SIGKILL 30 s later).
-    grace = {"grace_period": STOP_GRACE_SECONDS} if "grace_period" in inspect.signature(context.join).parameters else {}
-    try:
-        while not context.join(timeout=1, **grace):
-            if sigterm_came.is_set():
-                for p in context.processes:
-                    if p.is_alive():
-                        os.kill(p.pid, signal.SIGTERM)
-    except mp.ProcessExitedException as e:
-        # The process printed its own `error:` line unless a signal gave it no chance to.
-        if e.signal_name:
-            stderr_line(f"error: process {e.error_index} was killed by {e.signal_name}")
-        return e.exit_code if e.exit_code > 0 else 1
-    except mp.ProcessRaisedException as e:
-        stderr_line(str(e))  # the failing rank's traceback
-        return 1
-    except KeyboardInterrupt:
-        stop(context.processes)
-        stderr_line("interrupted")
-        return 130
-    return 0
+def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not ctx.distributed:
+        return [obj]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    time.sleep(GLOO_TEARDOWN_PAUSE)
+    return out
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
@@ -364,40 +190,22 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return tensor
 
 
-def barrier(ctx: DistContext) -> None:
-    if ctx.distributed:
-        dist.barrier()
-
-
 def all_reduce_min(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """The smallest over ranks, in place; the identity without a process group."""
     if ctx.distributed:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return tensor
 
 
-def broadcast_object(obj: Any, ctx: DistContext) -> Any:
-    """Rank 0's `obj` on every rank."""
-    if not ctx.distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    time.sleep(GLOO_TEARDOWN_PAUSE)  # torch 2.5-2.7: so that a teardown right after it cannot deadlock
-    return box[0]
-
-
-def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
-    if not ctx.distributed:
-        return [obj]
-    out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
-    time.sleep(GLOO_TEARDOWN_PAUSE)  # as in broadcast_object
-    return out
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
 
 
 def raise_together(problem: str | None, ctx: DistContext) -> None:
-    """Raise `problem` on every rank as soon as one rank has it. Machines differ in
-    free memory: a rank that raised alone would leave the others waiting in their next collective
-    until --dist-timeout. Costs one gather, so the ranks agree before they part."""
+    """Raise `problem` on every rank as soon as one rank has it (machines differ in free memory):
+    a rank that raised alone would leave the others waiting in their next collective until
+    --dist-timeout. Collective: an all_gather, so that the ranks agree before they part."""
     found = gather_objects((socket.gethostname(), problem) if problem else None, ctx)
     failing = [(rank, entry) for rank, entry in enumerate(found) if entry]
     if not failing:
@@ -408,15 +216,9 @@ def raise_together(problem: str | None, ctx: DistContext) -> None:
 
 
 def broadcast_buffers(model: torch.nn.Module, ctx: DistContext) -> None:
-    """Copy rank 0's buffers (BatchNorm running statistics) to every rank.
-
-    DDP copies rank 0's buffers to the others as a training forward pass starts (not after one
-    under no_sync), but without SyncBN each rank's forward then updates its copy from its own
-    batch, so an epoch ends with statistics that differ by rank. Evaluating with rank 0's buffers
-    everywhere makes the reported accuracy that of the checkpoint rank 0 saves, whatever the
-    world size. One broadcast per dtype (BatchNorm's: float statistics, int64 batch counts), of
-    the buffers laid end to end: a ResNet has over a hundred, one broadcast each a hundred waits.
-    """
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank: without --sync-bn each
+    rank's follow its own batches. One broadcast per dtype, the buffers laid end to end: a ResNet
+    has over a hundred, a broadcast each would be a hundred waits."""
     if not ctx.distributed:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -429,13 +231,32 @@ def broadcast_buffers(model: torch.nn.Module, ctx: DistContext) -> None:
             buffer.detach().copy_(value.view_as(buffer))
 
 
-class ShardSampler(Sampler[int]):
-    """Rank r takes indices r, r + N, r + 2N, ... with no padding.
+def loader_options(args: Any, ctx: DistContext) -> dict[str, Any]:
+    """The DataLoaders' batch, workers (its CPUs less one, kept between epochs), pinned memory for a
+    GPU. Before CPython 3.11.10 a fork that catches a thread of gloo's, NCCL's or autograd's holding
+    the runtime lock hangs the child (python/cpython#112275): there workers fork from a fork server."""
+    workers = default_workers(ctx.device, ctx.cpus) if args.workers is None else args.workers
+    affected = sys.version_info < (3, 11, 10) or (3, 12) <= sys.version_info < (3, 12, 1)
+    context = None
+    if workers and affected and sys.platform == "linux" and (ctx.distributed or ctx.device.type == "cuda"):
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["torch", "torchvision", "my_dataset"])
+    return dict(batch_size=args.batch_size, num_workers=workers, persistent_workers=workers > 0,
+                worker_init_fn=leave_sigterm_to_trainer, pin_memory=ctx.device.type == "cuda",
+                multiprocessing_context=context)
 
-    DistributedSampler pads the last round with duplicates so every rank gets the same
-    count; counted in an evaluation those duplicates shift the accuracy with the world size.
-    Uneven shards are fine here because evaluation runs no collective per batch.
-    """
+
+def leave_sigterm_to_trainer(worker_id: int) -> None:
+    """In a loader worker: ignore SIGTERM. SLURM, torchrun and `kill -TERM -PGID` signal every
+    process of a job; the training process acts on it, and needs its workers until it has saved.
+    The DataLoader ends them however it ends (utils.exit_on_error), or within seconds if it died."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class ShardSampler(Sampler[int]):
+    """Rank r takes indices r, r + N, r + 2N, ... with no padding. DistributedSampler pads the last
+    round with duplicates so every rank gets the same count; counted in an evaluation, those
+    duplicates would shift the accuracy with the world size."""
 
     def __init__(self, length: int, ctx: DistContext):
         self.indices = range(ctx.rank, length, ctx.world_size)

@@ -35,24 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# torch.distributed's functions that make a collective, by the name a reader meets. An object
-# collective (broadcast_object_list, all_gather_object) is recorded as itself, not as the
-# broadcasts and gathers it makes inside.
-TRACED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-          "reduce_scatter_tensor", "reduce_scatter_single", "reduce", "gather", "scatter", "all_to_all",
-          "all_to_all_single", "barrier", "monitored_barrier",
-          "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
-          "_broadcast_coalesced", "_verify_params_across_processes")
-# What a reader calls each: the word a launcher's comment uses for it.
-KINDS = {"all_reduce": "all_reduce", "broadcast": "broadcast", "broadcast_object_list": "broadcast",
-         "_broadcast_coalesced": "broadcast", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
-         "all_gather_single": "all_gather",
-         "all_gather_object": "all_gather", "_verify_params_across_processes": "all_gather",
-         "gather_object": "gather", "gather": "gather", "barrier": "barrier", "monitored_barrier": "barrier"}
-PROJECT = Path(__file__).resolve().parent.parent
-TORCH = Path(torch.__file__).resolve().parent
-
-
 @dataclasses.dataclass(frozen=True)
 class Collective:
     index: int
@@ -69,6 +51,24 @@ class Collective:
 class Trace:
     """This process's collectives, in the order made."""
 
+    # torch.distributed's functions that make a collective, by the name a reader meets. An object
+    # collective (broadcast_object_list, all_gather_object) is recorded as itself, not as the
+    # broadcasts and gathers it makes inside.
+    TRACED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+              "reduce_scatter_tensor", "reduce_scatter_single", "reduce", "gather", "scatter", "all_to_all",
+              "all_to_all_single", "barrier", "monitored_barrier",
+              "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+              "_broadcast_coalesced", "_verify_params_across_processes")
+    # What a reader calls each: the word a launcher's comment uses for it.
+    KINDS = {"all_reduce": "all_reduce", "broadcast": "broadcast", "broadcast_object_list": "broadcast",
+             "_broadcast_coalesced": "broadcast", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
+             "all_gather_single": "all_gather",
+             "all_gather_object": "all_gather", "_verify_params_across_processes": "all_gather",
+             "gather_object": "gather", "gather": "gather", "barrier": "barrier", "monitored_barrier": "barrier"}
+    PROJECT = Path(__file__).resolve().parent.parent
+    TORCH = Path(torch.__file__).resolve().parent
+    current: Trace | None = None  # one per process, as torch.distributed's functions are
+
     def __init__(self, launcher: str):
         self.launcher = _real(launcher)
         self.made: list[Collective] = []
@@ -84,17 +84,17 @@ class Trace:
         line, via = self.origin(frames)
         with self.lock:
             size = 0 if call == "_verify_params_across_processes" else _bytes(args, kwargs)  # shapes compared
-            self.made.append(Collective(len(self.made) + 1, call, KINDS.get(call, call), size, line, via))
+            self.made.append(Collective(len(self.made) + 1, call, self.KINDS.get(call, call), size, line, via))
 
     def origin(self, frames: list) -> tuple[int, str]:
         """The innermost launcher line of `frames` (outermost first), and the calls below it."""
         at = max((i for i, f in enumerate(frames) if _real(f.f_code.co_filename) == self.launcher), default=None)
         below = [f for f in (frames[at + 1:] if at is not None else frames)
                  if _real(f.f_code.co_filename) != _real(__file__)]
-        ours = [i for i, f in enumerate(below) if _inside(f, PROJECT) and not _inside(f, TORCH)]
+        ours = [i for i, f in enumerate(below) if _inside(f, self.PROJECT) and not _inside(f, self.TORCH)]
         project = [getattr(below[i].f_code, "co_qualname", below[i].f_code.co_name) for i in ours]
         # torch's function that made the call, where torch made it (DDP's, SyncBatchNorm's), not ours
-        torch_side = [f.f_code.co_name for f in below[(ours[-1] + 1 if ours else 0):] if _inside(f, TORCH)]
+        torch_side = [f.f_code.co_name for f in below[(ours[-1] + 1 if ours else 0):] if _inside(f, self.TORCH)]
         via = " > ".join(project + ([f"torch:{torch_side[-1]}"] if torch_side else []))
         return (frames[at].f_lineno if at is not None else 0), via
 
@@ -121,52 +121,49 @@ class Trace:
         (folder / f"rank{rank}.tsv").write_text(header + "".join(r + "\n" for r in rows))
 
 
-_trace: Trace | None = None  # one per process, as torch.distributed's functions are
-
-
 def start(launcher: str) -> None:
     """Record every collective this process makes from now on (start before joining the process
     group: joining makes one)."""
-    global _trace
-    if _trace is not None:
+    if Trace.current is not None:
         return
-    _trace = Trace(launcher)
-    for name in TRACED:
+    Trace.current = Trace(launcher)
+    for name in Trace.TRACED:
         if hasattr(dist, name):
             setattr(dist, name, _recorded(name, getattr(dist, name)))
 
 
-def watch_gradients(model: torch.nn.Module) -> None:
-    """DDP's gradient all-reduces through torch's allreduce_hook, where the trace sees them."""
+def all_reduce_gradients_in_python(model: torch.nn.Module) -> None:
+    """DDP's gradient all-reduces made by torch's own allreduce_hook, through `dist.all_reduce`,
+    where the trace sees them, instead of by its C++ reducer: the same sums."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     model.register_comm_hook(None, allreduce_hook)
 
 
 def print_epoch(epoch: int, output_dir: Path, ctx: Any) -> None:
     """Rank 0 prints the collectives it made since the last print, grouped by launcher line."""
-    if _trace is not None and ctx.is_main:
-        title = f"collectives of epoch {epoch}" if _trace.printed else f"collectives of the start and epoch {epoch}"
-        print("\n".join(_trace.grouped(title, output_dir)), flush=True)
+    if Trace.current is not None and ctx.is_main:
+        title = f"collectives of epoch {epoch}" if Trace.current.printed else f"collectives of the start and epoch {epoch}"
+        print("\n".join(Trace.current.grouped(title, output_dir)), flush=True)
 
 
 def write(output_dir: Path, ctx: Any) -> None:
     """At the end, however the run ended: each rank writes its list, and rank 0 prints what
     came after its last epoch (the report's collectives)."""
-    if _trace is None:
+    if Trace.current is None:
         return
     try:
-        _trace.write(output_dir, ctx.rank)
+        Trace.current.write(output_dir, ctx.rank)
     except OSError as e:  # a full or lost disk: the run's own error, if any, is the one to report
         print(f"warning: rank {ctx.rank} could not write its list of collectives: {e}", file=sys.stderr)
-    if ctx.is_main and _trace.printed < len(_trace.made):
-        print("\n".join(_trace.grouped("collectives after the epochs", output_dir)), flush=True)
+    if ctx.is_main and Trace.current.printed < len(Trace.current.made):
+        print("\n".join(Trace.current.grouped("collectives after the epochs", output_dir)), flush=True)
 
 
 def _recorded(name: str, function: Any) -> Any:
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _trace is not None:
-            _trace.record(name, args, kwargs)
+        if Trace.current is not None:
+            Trace.current.record(name, args, kwargs)
         return function(*args, **kwargs)
     return wrapper
 

@@ -1,6 +1,6 @@
 """The evaluation report: per-class precision, recall and F1, top-k accuracy, the confusion
 matrix and the most confidently wrong images, exact at any world size; made at the end of a run
-for best.pth's weights, and by --eval-only.
+for best.pth's weights (--report), and by --eval-only. And the run's pictures (--plots).
 
 Each rank counts its shard of the validation split; the counts are all-reduced once, and the
 few mistakes each rank keeps are gathered once. report.json holds everything, so plots.py can
@@ -10,23 +10,18 @@ from __future__ import annotations
 
 import argparse
 import csv
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
-from multi_train_utils.checkpoint import load_checkpoint, shipped_weights
-from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, broadcast_object, gather_objects
-from multi_train_utils.loaders import RunData
-from multi_train_utils.train_eval_utils import Evaluation, Outputs, placed, validation_metrics, validation_outputs
-from outputs.plotter import Plotter
-from outputs.run_folder import BEST
-from utils import REPORT_FILE, DataSplit, write_json
-
-MAX_MISTAKES = 16
+from multi_train_utils.checkpoint import BEST, load_checkpoint, shipped_weights
+from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, barrier, gather_objects
+from multi_train_utils.train_eval_utils import Extras, evaluate, model_input
+from recipe.recalibrate import recalibration
+from utils import REPORT_FILE, DataSplit, UserError, stderr_line, write_json
 
 
 def top_ks(num_classes: int) -> list[int]:
@@ -34,15 +29,31 @@ def top_ks(num_classes: int) -> list[int]:
     return [k for k in (1, 3, 5) if k == 1 or k < num_classes]
 
 
-def evaluation_report(predictions: Iterable[tuple[torch.Tensor, torch.Tensor, list[int]]], ctx: DistContext,
-                      split: DataSplit, source: str) -> dict[str, Any]:
-    """The report over this rank's (logits, labels, validation indices) batches, reduced over ranks."""
+@torch.no_grad()
+def predictions(model: nn.Module, loader: Iterable, args: argparse.Namespace,
+                ctx: DistContext) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    """(logits, labels, dataset indices) of each batch of this rank's shard, the model in eval
+    mode and in fp32."""
+    model.eval()
+    indices = iter(loader.sampler)  # the order the loader draws its batches in
+    for images, labels in loader:
+        inputs = model_input(images, ctx.device, args.channels_last)
+        logits = model(inputs)
+        if args.tta:
+            logits = (logits + model(inputs.flip(3))) / 2
+        yield logits, labels.to(ctx.device), [next(indices) for _ in range(len(labels))]
+
+
+def evaluation_report(outputs: Iterable[tuple[torch.Tensor, torch.Tensor, list[int]]], ctx: DistContext,
+                      split: DataSplit, source: str, most_mistakes: int = 16) -> dict[str, Any]:
+    """The report over this rank's (logits, labels, validation indices) batches, reduced over
+    ranks. Collectives: an all_reduce of the counts, an all_gather of each rank's worst mistakes."""
     names = split.class_names
     n = len(names)
     ks = top_ks(n)
     counts = torch.zeros(n * n + len(ks), dtype=torch.int64, device=ctx.device)  # confusion, then top-k hits
     mistakes: list[tuple[float, int, int, int]] = []  # (probability, index, true, predicted)
-    for logits, labels, indices in predictions:
+    for logits, labels, indices in outputs:
         probs = logits.float().softmax(1)
         predicted = probs.argmax(1)
         counts[: n * n].index_add_(0, labels * n + predicted, torch.ones_like(labels))
@@ -54,8 +65,8 @@ def evaluation_report(predictions: Iterable[tuple[torch.Tensor, torch.Tensor, li
         mistakes += [(chosen[i], indices[i], int(labels[i]), int(predicted[i])) for i in wrong]
     counts = all_reduce_sum(counts, ctx).tolist()
     confusion = [counts[row * n : (row + 1) * n] for row in range(n)]
-    mine = sorted(mistakes, key=lambda m: (-m[0], m[1]))[:MAX_MISTAKES]
-    worst = sorted((m for part in gather_objects(mine, ctx) for m in part), key=lambda m: (-m[0], m[1]))[:MAX_MISTAKES]
+    mine = sorted(mistakes, key=lambda m: (-m[0], m[1]))[:most_mistakes]
+    worst = sorted((m for part in gather_objects(mine, ctx) for m in part), key=lambda m: (-m[0], m[1]))[:most_mistakes]
     total = sum(map(sum, confusion))
     return {
         "weights": source,
@@ -101,70 +112,60 @@ def report_line(report: dict[str, Any]) -> str:
             f"macro F1 {report['macro_f1']:.4f}, {top}")
 
 
-def report_on_best(model: nn.Module, val_loader: DataLoader, data: RunData, output_dir: Path, args: argparse.Namespace,
-                   ctx: DistContext, best: tuple[int, Evaluation] | None) -> None:
-    """At the end of a run: report.json and confusion_matrix.csv for best.pth's weights, from
-    the outputs its epoch's evaluation kept on each rank (`best`: that epoch and its
-    Evaluation; no second pass). When that epoch ran before a resume (`best` is None), best.pth
-    is loaded into `model`, after a broadcast of whether rank 0 sees it (rank 0 may still be
-    writing it), and evaluated again. Collectives: an all_reduce of the counts and an all_gather
-    of the mistakes (and, when it reloads, that broadcast)."""
-    if best is not None:
-        epoch, evaluated = best
-        source = best_source(output_dir / BEST, epoch, evaluated.better)
-        final_report(evaluated.outputs, data.split, source, output_dir, ctx)  # all_reduce, all_gather
-        return
-    source = use_best_weights(output_dir, model, ctx)  # broadcast: whether rank 0 sees best.pth
-    outputs = validation_outputs(placed(model, args, ctx.device), val_loader)
-    final_report(outputs, data.split, source, output_dir, ctx)  # all_reduce, all_gather
-
-
-def best_source(path: Path, epoch: int, better: str) -> str:
-    return f"{path} (epoch {epoch}{' weight average' if better == 'ema' else ''})"
-
-
-def use_best_weights(output_dir: Path, model: nn.Module, ctx: DistContext) -> str:
-    """Load best.pth's weights into `model` on every rank (the model a user ships); say which."""
-    best = output_dir / BEST
-    # broadcast (it waits for rank 0, which may still be writing the file): rank 0's view decides
-    # for every rank, which then all load the same weights (or none), whatever their own disk shows.
-    if not broadcast_object(best.is_file() if ctx.is_main else None, ctx):
-        return "the final weights"
-    checkpoint = load_checkpoint(best, mmap=True)
-    model.load_state_dict(shipped_weights(checkpoint))
-    return best_source(best, checkpoint["epoch"], checkpoint.get("better", "model"))
-
-
-def final_report(outputs: Outputs, split: DataSplit, source: str, output_dir: Path, ctx: DistContext) -> None:
-    """report.json and confusion_matrix.csv for the weights that gave `outputs`, which came from `source`."""
-    report = evaluation_report(outputs, ctx, split, source)
+def final_report(model: nn.Module, loader: Iterable, split: DataSplit, source: str, output_dir: Path,
+                 args: argparse.Namespace, ctx: DistContext) -> None:
+    """report.json and confusion_matrix.csv for `model`'s weights, which came from `source`."""
+    report = evaluation_report(predictions(model, loader, args, ctx), ctx, split, source)  # all_reduce, all_gather
     ctx.print0(report_line(report))
     if ctx.is_main:
         write_report_files(output_dir, report)
 
 
-def evaluate_only(model: nn.Module, checkpoint: dict[str, Any] | None, val_loader: DataLoader, data: RunData,
+def report_on_best(model: nn.Module, loader: Iterable, split: DataSplit, output_dir: Path, args: argparse.Namespace,
+                   ctx: DistContext) -> None:
+    """--report, at the end of a run: best.pth's weights (the ones a user ships) loaded into
+    `model` on every rank and evaluated once more, per class. Collectives: a barrier (best.pth is
+    on disk before any rank reads it), an all_gather of what each rank read, or why it could not
+    (a rank that raised alone would leave the others waiting), then the report's."""
+    barrier(ctx)
+    best, problem = output_dir / BEST, None
+    try:
+        checkpoint = load_checkpoint(best, mmap=True)
+        model.load_state_dict(shipped_weights(checkpoint))
+    except UserError as e:
+        problem = str(e)
+    if failed := [(rank, why) for rank, why in enumerate(gather_objects(problem, ctx)) if why]:
+        raise UserError(f"rank {failed[0][0]}: {failed[0][1]}" if ctx.distributed else failed[0][1])
+    source = f"{best} (epoch {checkpoint['epoch']}{' weight average' if checkpoint.get('better') == 'ema' else ''})"
+    final_report(model, loader, split, source, output_dir, args, ctx)
+
+
+def evaluate_only(model: nn.Module, checkpoint: dict[str, Any] | None, loader: Iterable, split: DataSplit,
                   output_dir: Path, args: argparse.Namespace, ctx: DistContext) -> None:
     """--eval-only, the whole of it: `model` with the weights a checkpoint ships (--resume), or
-    --weights, evaluated in one pass over the validation set: eval.json and the report (and
-    its pictures). With
-    --bn-recalibrate the statistics are recomputed first (a checkpoint of a run that did so
-    holds them already: the same ones come out). Collectives: an all_reduce of the sums, then
-    the report's."""
+    --weights, evaluated: eval.json, the report (and with --plots its pictures). With
+    --bn-recalibrate the statistics are recomputed first (a checkpoint of a run that did so holds
+    them already: the same ones come out). Collectives: evaluate's, then the report's."""
+    extra = Extras(recalibrate=recalibration(split, args))
     source = args.weights
     if checkpoint is not None:
         model.load_state_dict(shipped_weights(checkpoint))
         source = checkpoint["loaded_from"]
-    feed = placed(model, args, ctx.device)
-    if data.recalibrate:
-        feed = data.recalibrate(feed, ctx)  # broadcast: rank 0's recomputed statistics
-    outputs = validation_outputs(feed, val_loader)
-    result = validation_metrics(outputs, ctx)  # all_reduce
+    result = evaluate(model, loader, args, ctx, extra).val
     ctx.print0(f"eval {source}: acc {result['val_acc']:.4f} ({result['val_correct']}/{result['val_total']}), "
                f"loss {result['val_loss']:.4f}")
     if ctx.is_main:
         write_json(output_dir / "eval.json", {**result, "weights": source, "world_size": ctx.world_size})
-    final_report(outputs, data.split, source, output_dir, ctx)  # all_reduce, all_gather
+    if extra.recalibrate:  # the report of the weights just evaluated, their statistics recomputed
+        model = extra.recalibrate(model, ctx)
+    final_report(model, loader, split, source, output_dir, args, ctx)
     if ctx.is_main and args.plots:
-        with Plotter(output_dir) as plotter:
-            plotter.draw_report()
+        draw_plots(output_dir)
+
+
+def draw_plots(output_dir: Path) -> None:
+    """Rank 0, at the end: the run's PNGs (plots.py). A picture never fails the run: a failure is
+    one warning line."""
+    from plots import save_run_plots  # matplotlib's import and drawing take seconds: only when asked
+
+    save_run_plots(output_dir, log=stderr_line)

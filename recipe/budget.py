@@ -10,34 +10,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+from multi_train_utils.config import BUDGET_MOST_EPOCHS, DEFAULT_EPOCHS, budget_seconds
+from multi_train_utils.distributed_utils import DistContext, broadcast_object
+from multi_train_utils.train_eval_utils import Progress
 from my_dataset import SizeSchedule, size_schedule
-from utils import UserError
-
-_SECONDS_PER = {"": 1, "s": 1, "m": 60, "h": 3600}
-
-# --epochs when it is not given; with --time-budget alone, the budget decides, up to a limit
-# that only tiny folders reach. The ramp of progressive resizing is read against the default.
-DEFAULT_EPOCHS = 30
-BUDGET_MOST_EPOCHS = 1000
-# The count is what fits in 95% of the budget. Epochs vary by about a tenth around epoch 1's
-# time, and the guard ends a run whose next epoch might not fit: counted to the full budget,
-# that cut off the last epoch, where the learning rate ends, in 4 of 18 measured runs.
-HEADROOM = 0.05
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in `600`, `600s`, `10m` or `1.5h`."""
-    match = re.fullmatch(r"(\d+\.?\d*|\.\d+)([smh]?)", text.strip())
-    if not match or float(match[1]) == 0:
-        raise UserError(f"--time-budget takes a positive duration such as 600 (seconds), 10m or 1.5h, not {text!r}")
-    return float(match[1]) * _SECONDS_PER[match[2]]
-
-
-def budget_seconds(args: argparse.Namespace) -> float | None:
-    return None if args.time_budget is None else parse_duration(args.time_budget)
+from utils import CONFIG_FILE, read_json, write_json
 
 
 def planned_epochs(args: argparse.Namespace) -> int:
@@ -68,12 +49,15 @@ def run_sizes(args: argparse.Namespace, epochs: int) -> SizeSchedule:
     return size_schedule({**vars(args), "ramp_epochs": ramp})
 
 
-def epochs_that_fit(seconds: float, first: EpochTime, most: int, sizes: Callable[[int], SizeSchedule]) -> int:
+def epochs_that_fit(seconds: float, first: EpochTime, most: int, sizes: Callable[[int], SizeSchedule],
+                    headroom: float = 0.05) -> int:
     """The most epochs, up to `most` and at least 1, whose training and evaluation fit in
     `seconds` less the headroom, the first epoch having taken `first`. An epoch's training time
     grows with the pixels of its crop (`sizes(n)`: the crop sizes of an n-epoch run); evaluation's
-    does not."""
-    seconds *= 1 - HEADROOM
+    does not. The headroom: epochs vary by about a tenth around epoch 1's time, and the guard ends
+    a run whose next epoch might not fit; counted to the full budget, that cut off the last epoch,
+    where the learning rate ends, in 4 of 18 measured runs."""
+    seconds *= 1 - headroom
 
     def cost(n: int) -> float:
         crop = sizes(n)
@@ -104,3 +88,32 @@ def room_for_another(seconds: float, used: float, slowest_train: float) -> bool:
     evaluation may run past it)."""
     return used + slowest_train <= seconds
 
+
+def next_epoch_fits(progress: Progress, epoch: int, train_loader: Any, output_dir: Path, args: argparse.Namespace,
+                    ctx: DistContext) -> bool:
+    """Before epoch `epoch`: once epoch 1 has run, its time fixes the count of epochs, once (rank
+    0's clock: one decision for every rank, kept in the progress and so in every later checkpoint,
+    and in config.json); the crops of progressive resizing (`train_loader`'s keys carry them to
+    the workers) and the learning rate's decay follow the count. Then whether this epoch runs: not
+    past the count, nor when its training would not fit in what is left (rank 0 says why).
+    Collectives: a broadcast of rank 0's count, once; a broadcast of rank 0's verdict."""
+    if progress.budget_epochs is None and progress.first_epoch is not None:
+        fit, first = None, EpochTime(*progress.first_epoch)
+        if ctx.is_main:
+            fit = epochs_that_fit(budget_seconds(args), first, most_epochs(args), lambda n: run_sizes(args, n))
+            print(budget_message(args, fit, first), flush=True)
+            write_json(output_dir / CONFIG_FILE, {**read_json(output_dir / CONFIG_FILE), "budget_epochs": fit})
+        progress.budget_epochs = progress.last_epoch = broadcast_object(fit, ctx)
+    if progress.budget_epochs is not None:
+        train_loader.sampler.sizes = run_sizes(args, progress.budget_epochs)
+        if epoch > progress.budget_epochs:
+            return False
+    go_on = room_for_another(budget_seconds(args), progress.seconds_used, progress.slowest_train) if ctx.is_main else None
+    if broadcast_object(go_on, ctx):
+        return True
+    why = ("before the resume; a larger --time-budget gives the run more time" if epoch == progress.resumed_at > 1
+           else "the epochs ran slower than epoch 1")
+    ctx.print0(f"time budget: {progress.seconds_used:.1f}s of --time-budget {args.time_budget} used and an epoch's "
+               f"training takes up to {progress.slowest_train:.1f}s: ending after epoch {epoch - 1} of "
+               f"{progress.last_epoch} ({why})")
+    return False

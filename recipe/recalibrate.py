@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from model import batch_norms
 from multi_train_utils.distributed_utils import DistContext, broadcast_buffers
+from multi_train_utils.train_eval_utils import model_input
 from my_dataset import MyDataSet, build_transform, eval_img_size, eval_resize
 from utils import DataSplit
 
@@ -22,7 +21,7 @@ def recalibration(split: DataSplit, args: argparse.Namespace) -> BatchNormRecali
     """--bn-recalibrate's, its images prepared on first use; None without it."""
     if not args.bn_recalibrate:
         return None
-    return BatchNormRecalibration(functools.cache(lambda: recalibration_batches(split, args)))
+    return BatchNormRecalibration(functools.cache(lambda: recalibration_batches(split, args)), args.channels_last)
 
 
 def recalibration_batches(split: DataSplit, args: argparse.Namespace) -> list[torch.Tensor]:
@@ -37,13 +36,6 @@ def recalibration_batches(split: DataSplit, args: argparse.Namespace) -> list[to
     return list(images.split(args.batch_size))
 
 
-class Placed(Protocol):
-    """What is recalibrated: a model on its device (train_eval_utils.Placed, a dataclass)."""
-    module: nn.Module
-
-    def input(self, images: torch.Tensor) -> torch.Tensor: ...
-
-
 class BatchNormRecalibration:
     """--bn-recalibrate: FixRes's cheap half (Touvron et al. 2019). A model trained on random
     crops and evaluated on larger centre crops sees larger objects at evaluation, and its
@@ -56,18 +48,21 @@ class BatchNormRecalibration:
     `batches`: gives the uint8 batches, every rank the same ones (the same copy then comes out
     on every rank, at any world size)."""
 
-    def __init__(self, batches: Callable[[], Sequence[torch.Tensor]]):
+    def __init__(self, batches: Callable[[], Sequence[torch.Tensor]], channels_last: bool = True):
         self.batches = batches
+        self.channels_last = channels_last
 
     @torch.no_grad()
-    def __call__(self, placed: Placed, ctx: DistContext) -> Placed:
-        module = copy.deepcopy(placed.module)
+    def __call__(self, model: nn.Module, ctx: DistContext) -> nn.Module:
+        """A copy of `model` (on its device) with the recomputed statistics. Collective: a
+        broadcast of rank 0's."""
+        module = copy.deepcopy(model)
         for norm in batch_norms(module):
             norm.reset_running_stats()
             norm.momentum = None  # a plain average over the batches, not a moving one
         module.train()
         for images in self.batches():
-            module(placed.input(images))
+            module(model_input(images, ctx.device, self.channels_last))
         module.eval()
         broadcast_buffers(module, ctx)  # GPU kernels need not repeat to the bit: rank 0's, everywhere
-        return dataclasses.replace(placed, module=module)
+        return module

@@ -13,26 +13,13 @@ smaller batch) runs eagerly, on the same weights and optimizer state; a new imag
 from __future__ import annotations
 
 import argparse
-import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-WARMUP_STEPS = 3
-WARMUP_STEPS_UNDER_DDP = 11  # the notes' figure: DDP collects runtime statistics in its first 10 iterations
+from multi_train_utils.config import blockers
 
-
-def blockers(args: argparse.Namespace) -> list[str]:
-    """The options a graphed step cannot run with."""
-    found = []
-    if args.accum_steps > 1:
-        found.append("--accum-steps (a step of several batches, each backward but the last without DDP's sync)")
-    if args.compile:
-        found.append("--compile (torch.compile's code was not tried inside a captured graph)")
-    if getattr(args, "trace_collectives", False):
-        found.append("--trace-collectives (a replayed graph makes its collectives without Python, unseen)")
-    return found
 
 
 def wanted(args: argparse.Namespace, device: torch.device) -> bool:
@@ -63,16 +50,18 @@ class GraphedStep:
     the caller must run this batch's step eagerly."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, batch_size: int, under_ddp: bool, device: torch.device):
-        # place_model made a side stream this thread's current one, before the DDP wrap.
+        # prepare_gpu (recipe/extras.py) made a side stream this thread's current one, before the DDP wrap.
         self.batch_size = batch_size
-        self.warmup = WARMUP_STEPS_UNDER_DDP if under_ddp else WARMUP_STEPS
+        # Eager steps before the capture; under DDP the notes' figure: DDP collects runtime statistics in its
+        # first 10 iterations.
+        self.warmup = 11 if under_ddp else 3
         self.shape: tuple = ()  # the shape the graph was captured for, or is warming up for
         self.eager_steps = 0  # eager steps of that shape so far
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs = self.targets = self.loss = self.logits = None
-        # The graph reads the learning rate where it was when captured; set_lr fills it in place.
-        for group in optimizer.param_groups:
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        # The graph reads the learning rate from these tensors, where they were when it was captured: each replay
+        # fills them with the rates train_one_epoch sets in the groups.
+        self.lrs = [torch.tensor(float(group["lr"]), dtype=torch.float32, device=device) for group in optimizer.param_groups]
 
     def replay(self, inputs: torch.Tensor, targets: torch.Tensor, model: nn.Module, criterion: nn.Module,
                optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, amp_dtype: torch.dtype | None,
@@ -91,6 +80,8 @@ class GraphedStep:
             self._capture(inputs, targets, model, criterion, optimizer, scaler, amp_dtype, clip_grad_norm)
         self.inputs.copy_(inputs, non_blocking=True)
         self.targets.copy_(targets, non_blocking=True)
+        for lr, group in zip(self.lrs, optimizer.param_groups):
+            lr.fill_(group["lr"])
         self.graph.replay()
         return self.loss, self.logits
 
@@ -100,8 +91,11 @@ class GraphedStep:
         self.graph = self.inputs = self.targets = self.loss = self.logits = None  # a previous size's memory goes first
         inputs, targets = inputs.clone(), targets.clone()
         optimizer.zero_grad(set_to_none=True)  # the graph allocates the gradients it writes, in its own memory
+        rates = [group["lr"] for group in optimizer.param_groups]
+        for lr, group in zip(self.lrs, optimizer.param_groups):  # the fused step reads a tensor's address
+            group["lr"] = lr.fill_(group["lr"])
         graph = torch.cuda.CUDAGraph()
-        # thread_local: rank 0's checkpoint writer may touch CUDA from its own thread meanwhile.
+        # thread_local: another thread of the process may touch CUDA meanwhile.
         with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
             with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None, cache_enabled=False):
                 logits = model(inputs)
@@ -112,22 +106,18 @@ class GraphedStep:
                 nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
             scaler.step(optimizer)  # fused SGD takes the scaler's scale and overflow flag as tensors: no sync
             scaler.update()
+        for group, rate in zip(optimizer.param_groups, rates):  # eager steps read a number again
+            group["lr"] = rate
         # The eager steps of other sizes start from no gradients, as every eager step does.
         optimizer.zero_grad(set_to_none=True)
         self.graph, self.inputs, self.targets = graph, inputs, targets
         self.loss, self.logits = loss.detach(), logits.detach()
 
 
-_steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, GraphedStep] = weakref.WeakKeyDictionary()
-
-
 def graphed_step(optimizer: torch.optim.Optimizer, model: nn.Module, args: argparse.Namespace,
                  device: torch.device) -> GraphedStep | None:
-    """`optimizer`'s graphed step (made at the first epoch, kept for the later ones: capturing
-    costs a warm-up), or None where the run's steps are not graphed."""
+    """`optimizer`'s graphed step, made once for the run (capturing costs a warm-up), or None where
+    the run's steps are not graphed."""
     if not wanted(args, device):
         return None
-    if optimizer not in _steps:
-        _steps[optimizer] = GraphedStep(optimizer, args.batch_size,
-                                        isinstance(model, nn.parallel.DistributedDataParallel), device)
-    return _steps[optimizer]
+    return GraphedStep(optimizer, args.batch_size, isinstance(model, nn.parallel.DistributedDataParallel), device)

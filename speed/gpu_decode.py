@@ -19,8 +19,6 @@ from torchvision.io import ImageReadMode, decode_jpeg, read_file
 from multi_train_utils.distributed_utils import DistContext
 from my_dataset import MyDataSet
 
-BATCH = 128  # files per batched decode: a few hundred MB of full-size pictures at most
-EXIF_ORIENTATION = 0x0112
 
 
 def nvjpeg_reads(path: str) -> bool:
@@ -29,19 +27,20 @@ def nvjpeg_reads(path: str) -> bool:
     try:
         with Image.open(path) as img:
             return (img.format == "JPEG" and img.mode == "RGB" and not img.info.get("progressive")
-                    and img.getexif().get(EXIF_ORIENTATION, 1) == 1)
+                    and img.getexif().get(0x0112, 1) == 1)  # EXIF's orientation tag: 1, upright
     except OSError:
         return False
 
 
-def decode_on_gpu(paths: Sequence[str], device: torch.device, threads: int) -> list[torch.Tensor | None]:
-    """Each file decoded on `device` as a uint8 CHW picture, or None where the CPU must decode it."""
+def decode_on_gpu(paths: Sequence[str], device: torch.device, threads: int, batch: int = 128) -> list[torch.Tensor | None]:
+    """Each file decoded on `device` as a uint8 CHW picture, or None where the CPU must decode it;
+    `batch` files per batched decode: a few hundred MB of full-size pictures at most."""
     with ThreadPoolExecutor(max_workers=threads) as pool:  # header and file reads release the GIL
         readable = list(pool.map(nvjpeg_reads, paths))
         pictures: list[torch.Tensor | None] = [None] * len(paths)
         chosen = [i for i, ok in enumerate(readable) if ok]
-        for start in range(0, len(chosen), BATCH):
-            chunk = chosen[start:start + BATCH]
+        for start in range(0, len(chosen), batch):
+            chunk = chosen[start:start + batch]
             data = list(pool.map(read_file, [paths[i] for i in chunk]))
             for i, picture in zip(chunk, _decode_batch(data, device)):
                 pictures[i] = picture
