@@ -59,6 +59,7 @@ def largest_difference(model: torch.nn.Module, exported, images: torch.Tensor) -
     return worst
 
 
+@exit_on_error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, metavar="PATH", help="best.pth or last.pth of a training run")
@@ -72,29 +73,28 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=1e-3,
                         help="largest |logit difference| / (1 + |logit|) accepted (default: 1e-3)")
     args = parser.parse_args()
-    with exit_on_error():
-        checkpoint = load_checkpoint(args.checkpoint, mmap=True)
-        model = model_from_checkpoint(checkpoint)
-        img_size = eval_img_size(checkpoint["args"])
-        output = Path(args.output or Path(args.checkpoint).with_name("model" + EXPORT_FORMATS[args.format]))
-        images = check_batch(args.check_images or BUNDLED_PHOTOS, img_size)
-        export_model(model, args.format, output, img_size)
-        description = describe_export(args.format, architecture(checkpoint), checkpoint["class_names"], img_size)
-        try:
-            worst = largest_difference(model, load_exported(output, args.format), images)
-            if not worst <= args.tolerance:  # also catches NaN
-                raise ExportMismatch(f"the exported model's logits differ from PyTorch's by up to {worst:.2e} "
-                                     f"(relative to 1 + |logit|), more than --tolerance {args.tolerance:g}; "
-                                     "nothing was kept")
-        except BaseException:
-            output.unlink(missing_ok=True)
-            raise
-        write_json(preprocessing_path(output), {
-            **description, "checkpoint": str(args.checkpoint), "epoch": checkpoint["epoch"], "torch": torch.__version__,
-            "check": {"images": len(images), "largest_relative_difference": worst, "tolerance": args.tolerance},
-        })
-        print(f"wrote {output} and {preprocessing_path(output)}: {args.format}, {len(description['class_names'])} "
-              f"classes, {img_size} px; on {len(images)} photos its logits agree with PyTorch's to {worst:.1e}")
+    checkpoint = load_checkpoint(args.checkpoint, mmap=True)
+    model = model_from_checkpoint(checkpoint)
+    img_size = eval_img_size(checkpoint["args"])
+    output = Path(args.output or Path(args.checkpoint).with_name("model" + EXPORT_FORMATS[args.format]))
+    images = check_batch(args.check_images or BUNDLED_PHOTOS, img_size)
+    export_model(model, args.format, output, img_size)
+    description = describe_export(args.format, architecture(checkpoint), checkpoint["class_names"], img_size)
+    try:
+        worst = largest_difference(model, load_exported(output, args.format), images)
+        if not worst <= args.tolerance:  # also catches NaN
+            raise ExportMismatch(f"the exported model's logits differ from PyTorch's by up to {worst:.2e} "
+                                 f"(relative to 1 + |logit|), more than --tolerance {args.tolerance:g}; "
+                                 "nothing was kept")
+    except BaseException:
+        output.unlink(missing_ok=True)
+        raise
+    write_json(preprocessing_path(output), {
+        **description, "checkpoint": str(args.checkpoint), "epoch": checkpoint["epoch"], "torch": torch.__version__,
+        "check": {"images": len(images), "largest_relative_difference": worst, "tolerance": args.tolerance},
+    })
+    print(f"wrote {output} and {preprocessing_path(output)}: {args.format}, {len(description['class_names'])} "
+          f"classes, {img_size} px; on {len(images)} photos its logits agree with PyTorch's to {worst:.1e}")
 
 
 if __name__ == "__main__":

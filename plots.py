@@ -290,31 +290,31 @@ def plot_compare(run_dirs: list[Path], path: Path) -> None:
     save_png(fig, path)
 
 
+@exit_on_error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="training run folders")
     parser.add_argument("--out", type=Path, default=None, metavar="DIR",
                         help="folder for the PNGs (one run) or for compare.png (several; default: the first run)")
     args = parser.parse_args()
-    with exit_on_error():
-        for run_dir in args.runs:
-            try:
-                records = read_metrics(run_dir)
-            except (OSError, ValueError) as e:
-                raise UserError(f"cannot read {str(run_dir / METRICS_FILE)!r}: {e}") from None
-            if not records:
-                raise UserError(f"{str(run_dir)!r} is not a training run folder (no epochs in metrics.jsonl)")
-        if figure_class() is None:
-            raise UserError(MISSING_MATPLOTLIB)
-        single = len(args.runs) == 1
-        for run_dir in args.runs:
-            for path in save_run_plots(run_dir, out_dir=args.out if single else None):
-                print(f"wrote {path}")
-        if not single:
-            out = args.out or args.runs[0]
-            out.mkdir(parents=True, exist_ok=True)
-            plot_compare(args.runs, out / "compare.png")
-            print(f"wrote {out / 'compare.png'}")
+    for run_dir in args.runs:
+        try:
+            records = read_metrics(run_dir)
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read {str(run_dir / METRICS_FILE)!r}: {e}") from None
+        if not records:
+            raise UserError(f"{str(run_dir)!r} is not a training run folder (no epochs in metrics.jsonl)")
+    if figure_class() is None:
+        raise UserError(MISSING_MATPLOTLIB)
+    single = len(args.runs) == 1
+    for run_dir in args.runs:
+        for path in save_run_plots(run_dir, out_dir=args.out if single else None):
+            print(f"wrote {path}")
+    if not single:
+        out = args.out or args.runs[0]
+        out.mkdir(parents=True, exist_ok=True)
+        plot_compare(args.runs, out / "compare.png")
+        print(f"wrote {out / 'compare.png'}")
 
 
 if __name__ == "__main__":

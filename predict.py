@@ -97,6 +97,7 @@ def predict(
             done += len(errors)
 
 
+@exit_on_error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])  # the first paragraph, whole
     parser.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER", help="image files and folders of images")
@@ -109,34 +110,33 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, metavar="N",
                         help="image-decoding processes (default: CPUs - 1, at most 8 on the CPU)")
     args = parser.parse_args()
-    with exit_on_error():
-        if args.top_k < 1 or args.batch_size < 1 or (args.workers or 0) < 0:
-            raise UserError("--top-k and --batch-size must be at least 1, --workers at least 0")
-        device = resolve_device(args.device, 0)
-        classifier = load_classifier(args.checkpoint, device)
-        paths, failed = find_images(args.inputs)
-        for path, reason in failed:
-            print(f"warning: cannot read {path}: {reason}", file=sys.stderr, flush=True)
-        if not paths:
-            raise UserError(f"no image found in {', '.join(args.inputs)} (looked for {' '.join(IMG_EXTENSIONS)} files)")
-        workers = default_workers(device, cpu_count()) if args.workers is None else args.workers
-        path_width = max(len(p) for p in paths)
-        class_width = max(len(c) for c in classifier.class_names)
-        try:
-            for path, top, error in predict(classifier, paths, args.top_k, args.batch_size, workers):
-                if top is None:
-                    failed.append((path, error))
-                    print(f"warning: cannot read {path}: {error}", file=sys.stderr, flush=True)
-                elif args.json:
-                    print(json.dumps({"path": path, "top": [{"class": c, "prob": round(p, 6)} for c, p in top]}),
-                          flush=True)
-                else:
-                    print(f"{path:<{path_width}}  " + "  ".join(f"{c:<{class_width}} {p:.3f}" for c, p in top),
-                          flush=True)
-        except BrokenPipeError:
-            # The reader (head, less) stopped early: end quietly, as other command-line tools do.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(1)
+    if args.top_k < 1 or args.batch_size < 1 or (args.workers or 0) < 0:
+        raise UserError("--top-k and --batch-size must be at least 1, --workers at least 0")
+    device = resolve_device(args.device, 0)
+    classifier = load_classifier(args.checkpoint, device)
+    paths, failed = find_images(args.inputs)
+    for path, reason in failed:
+        print(f"warning: cannot read {path}: {reason}", file=sys.stderr, flush=True)
+    if not paths:
+        raise UserError(f"no image found in {', '.join(args.inputs)} (looked for {' '.join(IMG_EXTENSIONS)} files)")
+    workers = default_workers(device, cpu_count()) if args.workers is None else args.workers
+    path_width = max(len(p) for p in paths)
+    class_width = max(len(c) for c in classifier.class_names)
+    try:
+        for path, top, error in predict(classifier, paths, args.top_k, args.batch_size, workers):
+            if top is None:
+                failed.append((path, error))
+                print(f"warning: cannot read {path}: {error}", file=sys.stderr, flush=True)
+            elif args.json:
+                print(json.dumps({"path": path, "top": [{"class": c, "prob": round(p, 6)} for c, p in top]}),
+                      flush=True)
+            else:
+                print(f"{path:<{path_width}}  " + "  ".join(f"{c:<{class_width}} {p:.3f}" for c, p in top),
+                      flush=True)
+    except BrokenPipeError:
+        # The reader (head, less) stopped early: end quietly, as other command-line tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     sys.exit(1 if failed else 0)
 
 

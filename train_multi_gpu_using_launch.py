@@ -47,7 +47,7 @@ from recipe import budget, extras
 
 
 @record  # torchrun's failure summary then shows each failed process's own error (exit_on_error writes it)
-@exit_on_error()  # an error: one `error:` line (or a traceback) and an exit code; Ctrl-C: 130
+@exit_on_error  # an error: one `error:` line (or a traceback) and an exit code; Ctrl-C: 130
 def main() -> None:
     args = get_args_parser(__doc__, "launch").parse_args()
     # torchrun's RANK, LOCAL_RANK, WORLD_SIZE, else srun's SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS; None: one process
@@ -88,9 +88,9 @@ def train(plan, ctx, output_dir) -> None:
     if args.resume:  # broadcast and all_gather: every rank read the same position
         checkpoint = resume.read_checkpoint(args, output_dir, ctx)
     if checkpoint or args.check_images:  # broadcasts (the run's recorded files), or an all_gather (those that decode)
-        split, data_root, lost_files = resume.checked_split(plan, checkpoint, ctx)
+        split, data_root, dropped_some_files = resume.checked_split(plan, checkpoint, ctx)
     else:  # the same on every rank: stratified by class, drawn by --seed (or the folder's own train/ and val/)
-        split, data_root, lost_files = split_samples(plan.samples, plan.class_names, args.val_rate, args.seed,
+        split, data_root, dropped_some_files = split_samples(plan.samples, plan.class_names, args.val_rate, args.seed,
                                                      plan.val_files), args.data_path, False
     ctx.print0(split.summary())
     train_set, val_set = train_and_val_sets(split, args)
@@ -141,8 +141,8 @@ def train(plan, ctx, output_dir) -> None:
         extra = extras.training_extras(model, model_without_ddp, optimizer, split, args, ctx)  # and a CUDA graph
     progress = Progress(last_epoch=budget.most_epochs(args) if args.time_budget else args.epochs or DEFAULT_EPOCHS)
     if checkpoint:  # every rank the same optimizer state; a stopped epoch goes on after its last step
-        progress = resume.restore_training(checkpoint, progress, optimizer, scaler, extra, train_loader, lost_files,
-                                           args, ctx)
+        progress = resume.restore_training(checkpoint, progress, optimizer, scaler, extra, train_loader,
+                                           dropped_some_files, args, ctx)
     ctx.print0(f"training: epoch {progress.epoch + 1} of {progress.last_epoch}, {len(train_loader)} batches a process")
     tensorboard = SummaryWriter(output_dir) if ctx.is_main else None  # its writer thread is torch's
     if ctx.is_main:  # config.json, class_indices.json, split.json

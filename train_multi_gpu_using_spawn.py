@@ -45,47 +45,47 @@ from outputs import collective_trace, report, scaling
 from recipe import budget, extras
 
 
+@exit_on_error  # an error: one `error:` line (or a traceback) and an exit code; Ctrl-C: 130
 def main() -> None:
-    with exit_on_error():
-        args = get_args_parser(__doc__, "spawn").parse_args()
-        check_options(args, "spawn")  # before any process starts: a mistake is one `error:` line
-        world_size = spawn_world_size(args)  # --world-size, else one process per visible GPU
-        plan = list_images_of(args, "spawn", world_size=world_size)  # --download; the class folders, or train/ and val/
-        # Where the processes meet, exported for them: --dist-url, else MASTER_ADDR:MASTER_PORT, else a free port
-        # on 127.0.0.1 (gloo then stays on loopback: GLOO_SOCKET_IFNAME).
-        rendezvous.meeting_point(args)
+    args = get_args_parser(__doc__, "spawn").parse_args()
+    check_options(args, "spawn")  # before any process starts: a mistake is one `error:` line
+    world_size = spawn_world_size(args)  # --world-size, else one process per visible GPU
+    plan = list_images_of(args, "spawn", world_size=world_size)  # --download; the class folders, or train/ and val/
+    # Where the processes meet, exported for them: --dist-url, else MASTER_ADDR:MASTER_PORT, else a free port on
+    # 127.0.0.1 (gloo then stays on loopback: GLOO_SOCKET_IFNAME).
+    rendezvous.meeting_point(args)
     context = mp.spawn(worker, args=(plan,), nprocs=world_size, join=False)
     # The first failure ends the job; a SIGTERM to this process alone is passed on to them; Ctrl-C ends them all.
     sys.exit(rendezvous.join_processes(context))
 
 
+@exit_on_error  # in each process: its own `error:` line (or traceback) and exit code
 def worker(rank: int, plan) -> None:
     """One process of the job, started by mp.spawn with its rank (all on this machine: the local
     rank is the rank)."""
     args = plan.args
-    with exit_on_error(rank):
-        ranks = Ranks(rank, rank, plan.world_size, plan.world_size)
-        if args.check:  # diagnose instead of training, in a process group of its own
-            from cluster.check import check  # a program of its own: imported only here
-            sys.exit(check(plan, ranks))
-        ctx = process_context(ranks, args.device, args.backend)  # its device (its rank's GPU), its share of the CPUs
-        if args.trace_collectives:  # the Python-level collectives from here on, each with the line below that led to it
-            collective_trace.start(__file__)
-        # Complete once every rank has joined at MASTER_ADDR:MASTER_PORT, where rank 0 hosts torch's store; a peer
-        # missing, dead or stuck becomes an error after --dist-timeout. NCCL on GPUs, gloo on the CPU.
-        dist.init_process_group(ctx.backend, rank=rank, world_size=plan.world_size,
-                                timeout=datetime.timedelta(seconds=args.dist_timeout),
-                                device_id=ctx.device if ctx.device.type == "cuda" else None)
-        ctx.print0(f"process group: backend={dist.get_backend()}, world_size={ctx.world_size}, "
-                   f"threads per process={torch.get_num_threads()}")
-        output_dir = None
-        try:
-            output_dir = create_run_folder(args, "spawn", ctx)  # broadcast: rank 0 creates it, every rank learns where
-            train(plan, ctx, output_dir)
-        finally:
-            if args.trace_collectives and output_dir:  # each rank's list, unless a SIGTERM before training killed it
-                collective_trace.write(output_dir, ctx)
-            dist.destroy_process_group()
+    ranks = Ranks(rank, rank, plan.world_size, plan.world_size)
+    if args.check:  # diagnose instead of training, in a process group of its own
+        from cluster.check import check  # a program of its own: imported only here
+        sys.exit(check(plan, ranks))
+    ctx = process_context(ranks, args.device, args.backend)  # its device (its rank's GPU), its share of the CPUs
+    if args.trace_collectives:  # the Python-level collectives from here on, each with the line below that led to it
+        collective_trace.start(__file__)
+    # Complete once every rank has joined at MASTER_ADDR:MASTER_PORT, where rank 0 hosts torch's store; a peer
+    # missing, dead or stuck becomes an error after --dist-timeout. NCCL on GPUs, gloo on the CPU.
+    dist.init_process_group(ctx.backend, rank=rank, world_size=plan.world_size,
+                            timeout=datetime.timedelta(seconds=args.dist_timeout),
+                            device_id=ctx.device if ctx.device.type == "cuda" else None)
+    ctx.print0(f"process group: backend={dist.get_backend()}, world_size={ctx.world_size}, "
+               f"threads per process={torch.get_num_threads()}")
+    output_dir = None
+    try:
+        output_dir = create_run_folder(args, "spawn", ctx)  # broadcast: rank 0 creates it, every rank learns where
+        train(plan, ctx, output_dir)
+    finally:
+        if args.trace_collectives and output_dir:  # each rank's list, unless a SIGTERM before training killed it
+            collective_trace.write(output_dir, ctx)
+        dist.destroy_process_group()
 
 
 def train(plan, ctx, output_dir) -> None:
@@ -96,9 +96,9 @@ def train(plan, ctx, output_dir) -> None:
     if args.resume:  # broadcast and all_gather: every rank read the same position
         checkpoint = resume.read_checkpoint(args, output_dir, ctx)
     if checkpoint or args.check_images:  # broadcasts (the run's recorded files), or an all_gather (those that decode)
-        split, data_root, lost_files = resume.checked_split(plan, checkpoint, ctx)
+        split, data_root, dropped_some_files = resume.checked_split(plan, checkpoint, ctx)
     else:  # the same on every rank: stratified by class, drawn by --seed (or the folder's own train/ and val/)
-        split, data_root, lost_files = split_samples(plan.samples, plan.class_names, args.val_rate, args.seed,
+        split, data_root, dropped_some_files = split_samples(plan.samples, plan.class_names, args.val_rate, args.seed,
                                                      plan.val_files), args.data_path, False
     ctx.print0(split.summary())
     train_set, val_set = train_and_val_sets(split, args)
@@ -149,8 +149,8 @@ def train(plan, ctx, output_dir) -> None:
         extra = extras.training_extras(model, model_without_ddp, optimizer, split, args, ctx)  # and a CUDA graph
     progress = Progress(last_epoch=budget.most_epochs(args) if args.time_budget else args.epochs or DEFAULT_EPOCHS)
     if checkpoint:  # every rank the same optimizer state; a stopped epoch goes on after its last step
-        progress = resume.restore_training(checkpoint, progress, optimizer, scaler, extra, train_loader, lost_files,
-                                           args, ctx)
+        progress = resume.restore_training(checkpoint, progress, optimizer, scaler, extra, train_loader,
+                                           dropped_some_files, args, ctx)
     ctx.print0(f"training: epoch {progress.epoch + 1} of {progress.last_epoch}, {len(train_loader)} batches a process")
     tensorboard = SummaryWriter(output_dir) if ctx.is_main else None  # its writer thread is torch's
     if ctx.is_main:  # config.json, class_indices.json, split.json

@@ -35,7 +35,7 @@ from outputs import report
 from recipe import budget, extras
 
 
-@exit_on_error()  # an error: one `error:` line (or a traceback) and an exit code; Ctrl-C: 130
+@exit_on_error  # an error: one `error:` line (or a traceback) and an exit code; Ctrl-C: 130
 def main() -> None:
     args = get_args_parser(__doc__, "single").parse_args()
     check_options(args, "single")  # a mistake is one `error:` line
@@ -57,9 +57,9 @@ def train(plan, ctx, output_dir) -> None:
     if args.resume:  # --resume's checkpoint
         checkpoint = resume.read_checkpoint(args, output_dir, ctx)
     if checkpoint or args.check_images:  # the run's recorded files, or those that decode
-        split, data_root, lost_files = resume.checked_split(plan, checkpoint, ctx)
+        split, data_root, dropped_some_files = resume.checked_split(plan, checkpoint, ctx)
     else:  # stratified by class, drawn by --seed (or the folder's own train/ and val/)
-        split, data_root, lost_files = split_samples(plan.samples, plan.class_names, args.val_rate, args.seed,
+        split, data_root, dropped_some_files = split_samples(plan.samples, plan.class_names, args.val_rate, args.seed,
                                                      plan.val_files), args.data_path, False
     ctx.print0(split.summary())
     train_set, val_set = train_and_val_sets(split, args)
@@ -102,8 +102,8 @@ def train(plan, ctx, output_dir) -> None:
         extra = extras.training_extras(model, model_without_ddp, optimizer, split, args, ctx)  # and a CUDA graph
     progress = Progress(last_epoch=budget.most_epochs(args) if args.time_budget else args.epochs or DEFAULT_EPOCHS)
     if checkpoint:  # the optimizer state; a stopped epoch goes on after its last step
-        progress = resume.restore_training(checkpoint, progress, optimizer, scaler, extra, train_loader, lost_files,
-                                           args, ctx)
+        progress = resume.restore_training(checkpoint, progress, optimizer, scaler, extra, train_loader,
+                                           dropped_some_files, args, ctx)
     ctx.print0(f"training: epoch {progress.epoch + 1} of {progress.last_epoch}, {len(train_loader)} batches a process")
     tensorboard = SummaryWriter(output_dir) if ctx.is_main else None  # its writer thread is torch's
     if ctx.is_main:  # config.json, class_indices.json, split.json

@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import gc
 import hashlib
 import json
@@ -17,7 +18,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -71,24 +72,36 @@ def stderr_line(text: str) -> str:
     return text
 
 
-@contextlib.contextmanager
-def exit_on_error(rank: int | None = None) -> Iterator[None]:
-    """End the process with an exit code however `with`'s body failed: our own errors as one line,
-    any other with its traceback (`rank`: a process mp.spawn started). Exiting from here frees the
-    failed frames, so the DataLoader ends its workers, which ignore the job's SIGTERM: an exception
-    left to the interpreter would keep them, and the process would wait for them for ever."""
-    skip_collection_at_exit()
+def exit_on_error(main: Callable[..., Any]) -> Callable[..., None]:
+    """`main`, ending the process with an exit code however it failed, once the failure and the frames
+    it held are gone: the DataLoader then ends its workers, which ignore the job's SIGTERM (a process
+    mp.spawn started would otherwise wait for them for ever)."""
+    @functools.wraps(main)
+    def run(*args: Any, **kwargs: Any) -> None:
+        # The interpreter's last collections then skip the millions of objects torch made: the process
+        # ends in about 0.2 s instead of 0.8 (docs/performance.md).
+        atexit.unregister(gc.freeze)
+        atexit.register(gc.freeze)
+        if code := exit_code(main, *args, **kwargs):
+            sys.exit(code)
+
+    return run
+
+
+def exit_code(main: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
+    """`main`'s exit code, having said what failed: our own errors in one line, others by traceback."""
     try:
-        yield
+        main(*args, **kwargs)
     except ProjectError as e:
         record_for_torchrun(e, stderr_line(f"{e.prefix}: {e}"))
-        sys.exit(e.exit_code)
+        return e.exit_code
     except KeyboardInterrupt:
         stderr_line("interrupted")
-        sys.exit(130)  # the shell's code for "ended by SIGINT"
+        return 130  # the shell's code for "ended by SIGINT"
     except Exception as e:
-        record_for_torchrun(e, stderr_line((f"rank {rank}: " if rank is not None else "") + traceback.format_exc().rstrip()))
-        sys.exit(1)
+        record_for_torchrun(e, stderr_line(traceback.format_exc().rstrip()))
+        return 1
+    return 0
 
 
 def record_for_torchrun(error: Exception, text: str) -> None:
@@ -101,13 +114,6 @@ def record_for_torchrun(error: Exception, text: str) -> None:
         with open(path, "w") as f:
             json.dump({"message": {"message": f"{type(error).__name__}: {error}",
                                    "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
-
-
-def skip_collection_at_exit() -> None:
-    """Freeze every object once the exit handlers have run: the interpreter's last collections skip
-    the millions torch made, and the process ends in about 0.2 s instead of 0.8 (performance.md)."""
-    atexit.unregister(gc.freeze)  # once, however many entry points ran in this process
-    atexit.register(gc.freeze)
 
 
 def cpu_count() -> int:
@@ -179,8 +185,7 @@ def list_images(root: str, num_classes: int | None = None,
         raise UserError(f"data folder {root!r} does not exist: point --data-path at a folder with one sub-folder "
                         "per class, or add --download to fetch flower_photos")
     class_names = sorted(d.name for d in path.iterdir() if d.is_dir() and not d.name.startswith("."))
-    # The data folder and every class folder count as listed from the start, so that a link up to one of
-    # them is a loop whichever class folder it sits in.
+    # The data folder and every class folder count as listed: a link up to one of them is a loop.
     seen, loops = {_folder_id(path), *(_folder_id(path / name) for name in class_names)}, []
     files = {name: image_files(path / name, seen, loops) for name in class_names}
     if loops:

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import dataclasses
+import datetime
 import math
 import os
+import re
 import shutil
 import socket
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
 
 from cluster.check_rows import (
     DDP_BUCKET_BYTES,
@@ -34,6 +38,7 @@ from cluster.check_rows import (
     Row,
     address_rows,
     figure_rows,
+    interface_rows,
     inventory_rows,
     local_rows,
     merged,
@@ -42,24 +47,24 @@ from cluster.check_rows import (
     report,
     sum_row,
 )
-from model import model_for
+from cluster.rendezvous import srun_store
+from model import create_model
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import (
     DistContext,
     Ranks,
     broadcast_object,
+    cpus_per_process,
     gather_objects,
-    init_distributed,
+    job_precision,
+    loader_options,
     parse_device,
-    setup_single,
-    teardown,
+    process_context,
 )
-from multi_train_utils.progress import Progress
-from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
-from my_dataset import cache_short_side, default_workers
-from outputs.run_folder import prepare_output_dir
+from multi_train_utils.train_eval_utils import Progress, build_optimizer, train_one_epoch
+from my_dataset import EpochKeys, cache_short_side, default_workers, train_and_val_sets
 from speed.image_cache import memory_available
-from utils import ProjectError, stderr_line
+from utils import ProjectError, UserError, split_samples, stderr_line
 
 LOADER_PREFETCH = 2  # batches each loader worker keeps ready (DataLoader's prefetch_factor)
 T = TypeVar("T")
@@ -117,9 +122,10 @@ def gather_facts(plan: Plan, rdzv: Ranks | None) -> Facts:
         nccl_available=dist.is_nccl_available(),
         versions=versions(),
         socket_ifnames={k: v for k, v in sorted(os.environ.items()) if k.endswith("_SOCKET_IFNAME")},
+        interfaces=tuple(name for _, name in socket.if_nameindex()),
         shm_free=shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0,
         memory_available=memory_available() if sys.platform == "linux" else 0,  # /proc/meminfo's
-        loader_bytes=loader_bytes(args, device, local),
+        loader_bytes=loader_bytes(args, device, local, cpus_per_process(rdzv or Ranks(0, 0, 1, 1))),
         cache_bytes=cache_bytes(args, len(plan.samples)),
         master=master,
         port=port,
@@ -139,9 +145,10 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "CUDA": torch.version.cuda or "-", "NCCL": nccl, "driver": driver}
 
 
-def loader_bytes(args: argparse.Namespace, device: torch.device, processes: int) -> int:
-    """Batches in flight through /dev/shm: each worker of each process keeps LOADER_PREFETCH uint8 batches."""
-    workers = default_workers(device, processes) if args.workers is None else args.workers
+def loader_bytes(args: argparse.Namespace, device: torch.device, processes: int, cpus: int) -> int:
+    """Batches in flight through /dev/shm: each worker of each process (of `cpus` CPUs) keeps
+    LOADER_PREFETCH uint8 batches."""
+    workers = default_workers(device, cpus) if args.workers is None else args.workers
     return processes * workers * LOADER_PREFETCH * args.batch_size * 3 * args.img_size**2
 
 
@@ -204,29 +211,43 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_training_step(plan: Plan, device: torch.device, job: DistContext | None = None) -> tuple[float, int]:
-    """Seconds of one training step of the command line's model and batch on `device`, alone
-    (no DDP: the compute that communication is weighed against), or, given the `job`, under DDP
-    on every rank at once; and the gradient's bytes."""
+def first_batch(plan: Plan, ctx: DistContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's first training batch of epoch 1, drawn as the launchers draw it (their split,
+    dataset, sampler and loader options, loader workers included), as train_one_epoch's loader
+    of one batch."""
     args = plan.args
-    classes = max(2, len({label for _, label in plan.samples}))
+    split = split_samples(plan.samples, plan.class_names, args.val_rate, args.seed, plan.val_files)
+    train_set, _ = train_and_val_sets(split, args)
+    sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
+    sampler.set_epoch(1)
+    loader = DataLoader(train_set, sampler=EpochKeys(sampler), **loader_options(args, ctx))
+    return [next(iter(loader))]  # the loader's workers end with it, on return
+
+
+def time_training_step(plan: Plan, batch: list[tuple[torch.Tensor, torch.Tensor]], amp_dtype: torch.dtype | None,
+                       ctx: DistContext) -> tuple[float, int]:
+    """Seconds of one training step on `batch` of the command line's model, built as the
+    launchers build it: alone (`ctx` of no process group: the compute that communication is
+    weighed against), or under DDP on every rank of `ctx`'s job at once; and the gradient's bytes."""
+    args = plan.args
     torch.manual_seed(args.seed)
-    model = model_for(args, classes)
-    place_model(model, args, device)
-    ctx = job or DistContext.single(device)
-    optimizer, scaler, _ = build_optimizer(model, args, device)
-    if job:  # broadcast: DDP copies rank 0's weights; backward() all-reduces the gradients
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = create_model(len(plan.class_names), args.model, args.zero_init_residual, args.blurpool)
+    model.to(ctx.device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    if ctx.device.type == "cuda":  # as the run: cuDNN's kernels autotuned, in the warm-up here
+        torch.backends.cudnn.benchmark = True
+    model_without_ddp = model
+    if ctx.distributed:  # broadcast: DDP copies rank 0's weights; backward() all-reduces the gradients
+        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    optimizer, scaler = build_optimizer(model_without_ddp, args, amp_dtype)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    batch = [(torch.randint(0, 256, (args.batch_size, 3, args.img_size, args.img_size), dtype=torch.uint8),
-              torch.randint(0, classes, (args.batch_size,)))]
     # Warm-ups: kernels chosen, memory allocated; under DDP also its second step, which rebuilds
     # its buckets. Then one step timed: --check's stages are bounded by --check-timeout.
-    for _ in range(2 if job else 1):
-        train_one_epoch(model, criterion, optimizer, scaler, batch, 1, Progress(), args, ctx)
+    for _ in range(2 if ctx.distributed else 1):
+        train_one_epoch(model, criterion, optimizer, scaler, batch, 1, Progress(last_epoch=1), amp_dtype, args, ctx)
     started = time.perf_counter()
-    train_one_epoch(model, criterion, optimizer, scaler, batch, 1, Progress(), args, ctx)  # ends with a host sync
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    # Ends with a host sync (its epoch sums read back); under DDP, all_reduces: the look and the sums.
+    train_one_epoch(model, criterion, optimizer, scaler, batch, 1, Progress(last_epoch=1), amp_dtype, args, ctx)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model_without_ddp.parameters() if p.requires_grad)
     return time.perf_counter() - started, grad_bytes
 
 
@@ -244,22 +265,41 @@ def check(plan: Plan, rdzv: Ranks | None) -> int:
     except StageTimeout as e:
         give_up(rank, alone, Row("local checks", FAIL, str(e), "a name that takes long to resolve, or a hung file "
                                  "system (/dev/shm): see which with the same command in one process"))
+    try:
+        ctx = process_context(rdzv, plan.args.device, plan.args.backend)  # its device, its share of the CPUs
+    except UserError as e:  # a GPU this process cannot have (device_rows says why)
+        give_up(rank, alone + local_rows(facts), Row("device", FAIL, str(e)))
+    try:
+        # As the run draws it; an image that does not decode: the run's own error.
+        batch = bounded("the first batch", timeout, lambda: first_batch(plan, ctx), ctx.device)
+    except StageTimeout as e:
+        give_up(rank, alone + local_rows(facts), Row("data", FAIL, str(e), "loader workers that do not start or "
+                                                     "answer: try --workers 0, and see /dev/shm's row"))
     if rdzv is None:
-        # The process a run would be: its device, its share of the cores.
-        return report(alone + local_rows(facts) + figure_rows(step_figures(plan, setup_single(plan.args.device))))
+        return report(alone + local_rows(facts) + figure_rows(step_figures(plan, ctx, batch)))
+    if not (facts.master and facts.port):
+        give_up(rank, alone + local_rows(facts), Row("master address", FAIL, "MASTER_ADDR and MASTER_PORT must both "
+                                                     "be set", "export the first node's address and a free port"))
     if facts.port_problem or not facts.master_resolves_to:  # no rendezvous can happen
-        give_up(rank, alone + local_rows(facts),
-                next(r for r in address_rows(facts) if r.result == FAIL))
+        give_up(rank, alone + local_rows(facts), next(r for r in address_rows(facts) if r.result == FAIL))
+    if wrong_interface := interface_rows(facts):  # gloo would fail as it starts, NCCL at its first collective
+        give_up(rank, alone + local_rows(facts), wrong_interface[0])
     if transport_log := nccl_log_file(facts.backend):
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P,NET", NCCL_DEBUG_FILE=transport_log)
+    if not facts.hosts_store and (unreachable := store_unreachable(facts.master, facts.port, timeout)):
+        give_up(rank, alone + local_rows(facts), Row("rendezvous", FAIL, unreachable, JOIN_FIX))
     try:
-        ctx = init_distributed(rdzv, plan.args.device, plan.args.backend, timeout)  # the missing named at its end
+        with stderr_held():
+            # Where the launchers meet: an srun job at rank 0's store, which names the missing ranks;
+            # torchrun's and the spawn launcher's at torch's env:// (MASTER_ADDR:MASTER_PORT).
+            store = srun_store(rdzv, timeout) if rdzv.srun_task else None
+            dist.init_process_group(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
+                                    timeout=datetime.timedelta(seconds=timeout),
+                                    device_id=ctx.device if ctx.device.type == "cuda" else None)
     except (ProjectError, RuntimeError) as e:  # torch's DistError is a RuntimeError
-        if rank != 0 and not isinstance(e, ProjectError):  # rank 0 gave up, and the store went with it
+        if rank != 0 and isinstance(e, dist.DistNetworkError):  # its store answered, then went: rank 0 gave up
             ended_by_rank_0(rank, "at the rendezvous")
-        give_up(rank, alone + local_rows(facts), Row(
-            "rendezvous", FAIL, str(e), "start the missing processes; the same command with --check on each "
-            "node shows what that node lacks (docs/troubleshooting.md)"))
+        give_up(rank, alone + local_rows(facts), rendezvous_row(e, facts))
     try:
         everyone = bounded("the inventory", timeout, lambda: gather_objects(facts, ctx), ctx.device)
         # Now the machines are known, not guessed from the launcher's node count: several
@@ -270,7 +310,7 @@ def check(plan: Plan, rdzv: Ranks | None) -> int:
         collective, hung = collective_rows(ctx, facts, timeout, transport_log)
         if hung:
             give_up(rank, alone + inventory + collective, collective[-1])
-        figures = bounded("the figures", 4 * timeout, lambda: step_figures(plan, ctx), ctx.device)
+        figures = bounded("the figures", 4 * timeout, lambda: step_figures(plan, ctx, batch), ctx.device)
     except StageTimeout as e:
         give_up(rank, alone, Row("collectives", FAIL, str(e), "a peer stopped answering: see its own line"))
     except Exception as e:
@@ -278,9 +318,64 @@ def check(plan: Plan, rdzv: Ranks | None) -> int:
             ended_by_rank_0(rank, "after the rendezvous")
         raise
     code = report(alone + inventory + collective + figure_rows(figures)) if ctx.is_main else 0
-    code = broadcast_object(code, ctx)
-    teardown()
+    code = broadcast_object(code, ctx)  # broadcast: rank 0's verdict is every rank's exit code
+    dist.destroy_process_group()
     return code
+
+
+JOIN_FIX = ("start the missing processes; the same command with --check on each node shows what that node lacks "
+            "(docs/troubleshooting.md)")
+
+
+def store_unreachable(host: str, port: int, timeout_s: float) -> str | None:
+    """Why the store at host:port (rank 0's, or torchrun's agent's) did not answer within
+    `timeout_s`, asked here before torch is: torch's client logs each failed try with a C++
+    stack, and its error would not tell a rank 0 never reached from one that gave up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())).close()
+            return None
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                why = os.strerror(e.errno) if e.errno else str(e) or type(e).__name__
+                return (f"no rendezvous at {host}:{port} within {timeout_s:g} s ({why}): is rank 0 running there, "
+                        "and is the port free and open?")
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def stderr_held() -> Iterator[None]:
+    """What torch writes on stderr while the ranks meet, held back and written out once they have.
+    A failed rendezvous is its rank's one line (give_up's): torch's C++ logs its own account
+    with a C++ stack, and reads whether to log only once, when it is imported (TORCH_CPP_LOG_LEVEL)."""
+    sys.stderr.flush()
+    real_stderr = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(real_stderr, 2)
+            os.close(real_stderr)
+        held.seek(0)
+        sys.stderr.write(held.read().decode(errors="replace"))
+        sys.stderr.flush()
+
+
+def rendezvous_row(error: Exception, facts: Facts) -> Row:
+    """A rendezvous that failed: the srun store's own sentence, a wait that ran out (a process
+    missing, or gone), or the backend that could not start here (gloo's interface, NCCL)."""
+    if isinstance(error, ProjectError):
+        return Row("rendezvous", FAIL, str(error), JOIN_FIX)
+    why = (str(error).strip().splitlines() or [type(error).__name__])[-1]
+    if isinstance(error, dist.DistError):
+        return Row("rendezvous", FAIL, f"torch's rendezvous at {facts.master}:{facts.port}: {why}", JOIN_FIX)
+    why = re.sub(r"^\[enforce fail at [^\]]*\] [^.]*\. ", "", why)  # gloo's file, line and condition
+    return Row("process group", FAIL, f"{facts.backend} could not start on {facts.host}: {why}",
+               "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) must name an interface that is up, with an address on the "
+               "network between the nodes (`ip addr` lists them); NCCL_DEBUG=INFO tells more of NCCL")
 
 
 def give_up(rank: int, rows: list[Row], reason: Row) -> NoReturn:
@@ -300,12 +395,19 @@ def ended_by_rank_0(rank: int, when: str) -> NoReturn:
 
 
 def output_row(plan: Plan) -> Row:
-    """The run's own check of the output folder (its error, its exit code). The folders made
-    only for it are removed: a check leaves nothing behind."""
+    """The run's own check of the output folder (create_run_folder's, with its error and exit
+    code, without the configuration it prints). The folders made only for it are removed: a
+    check leaves nothing behind."""
     near = Path(plan.args.output_dir or "runs")  # the default folder goes under runs/
     existed = {folder for folder in (near, *near.parents) if folder.exists()}
-    path = prepare_output_dir(plan, DistContext.single())
-    for folder in (path, *path.parents):
+    path = plan.args.output_dir or f"runs/{plan.launcher}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / ".write-test").write_bytes(b"")
+        (Path(path) / ".write-test").unlink()
+    except OSError as e:
+        raise UserError(f"cannot write to the output folder {path!r}: {e.strerror or e}") from None
+    for folder in (Path(path), *Path(path).parents):
         if folder in existed or folder == Path("."):
             break
         folder.rmdir()
@@ -366,13 +468,13 @@ def checked_sum(ctx: DistContext) -> float:
     return float(tensor[0]) if bool((tensor == tensor[0]).all()) else float("nan")
 
 
-def step_figures(plan: Plan, ctx: DistContext) -> Figures:
-    step_seconds, grad_bytes = time_training_step(plan, ctx.device)
-    figures = Figures(ctx.world_size, str(ctx.device), plan.args.batch_size, step_seconds, grad_bytes)
+def step_figures(plan: Plan, ctx: DistContext, batch: list[tuple[torch.Tensor, torch.Tensor]]) -> Figures:
+    amp_dtype = job_precision(plan.args.amp, ctx)  # all_gather: the job's one precision, as the run takes it
+    # Alone: no process group, so train_one_epoch's all_reduces are the identity.
+    step_seconds, grad_bytes = time_training_step(plan, batch, amp_dtype, DistContext.single(ctx.device))
+    figures = Figures(ctx.world_size, str(ctx.device), len(batch[0][1]), step_seconds, grad_bytes)
     if ctx.world_size == 1:
         return figures
     return dataclasses.replace(figures, bucket_seconds=time_all_reduce(DDP_BUCKET_BYTES, ctx),
                                grad_seconds=time_all_reduce(grad_bytes, ctx),
-                               ddp_step_seconds=time_training_step(plan, ctx.device, ctx)[0])
-
-
+                               ddp_step_seconds=time_training_step(plan, batch, amp_dtype, ctx)[0])

@@ -38,6 +38,7 @@ class Facts:
     nccl_available: bool
     versions: dict[str, str]  # torch, CUDA, NCCL, driver
     socket_ifnames: dict[str, str]  # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME as set
+    interfaces: tuple[str, ...]  # the machine's network interfaces, by name
     shm_free: int
     memory_available: int
     loader_bytes: int  # /dev/shm the loader workers of this machine's processes hold in flight
@@ -51,7 +52,7 @@ class Facts:
 
 def local_rows(f: Facts) -> list[Row]:
     """The verdicts one process can give alone."""
-    return [*device_rows(f), *address_rows(f), *memory_rows(f)]
+    return [*device_rows(f), *address_rows(f), *interface_rows(f), *memory_rows(f)]
 
 
 def device_rows(f: Facts) -> list[Row]:
@@ -95,6 +96,31 @@ def address_rows(f: Facts) -> list[Row]:
     if not rows:
         rows.append(Row("master address", OK, f"{f.master} resolves to {', '.join(f.master_resolves_to)}"))
     return rows
+
+
+def interface_rows(f: Facts) -> list[Row]:
+    """The backend's *_SOCKET_IFNAME, when set, must name interfaces this machine has: gloo fails
+    as it starts on one it lacks, NCCL at its first collective. gloo takes names (comma-separated,
+    each one used); NCCL takes prefixes, `=` before exact names, `^` before those to leave out."""
+    variable = "NCCL_SOCKET_IFNAME" if f.backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    spec = f.socket_ifnames.get(variable)
+    if not spec:
+        return []
+    if f.backend == "nccl":
+        leave_out = spec.startswith("^")
+        exact = spec.removeprefix("^").startswith("=")
+        names = [n for n in spec.removeprefix("^").removeprefix("=").split(",") if n]
+        matched = {i for i in f.interfaces if any(i == n if exact else i.startswith(n) for n in names)}
+        if set(f.interfaces) - matched if leave_out else matched:
+            return []
+        finding = f"no interface of {f.host} matches {variable}={spec}"
+    else:
+        lacking = [n for n in spec.split(",") if n not in f.interfaces]
+        if not lacking:
+            return []
+        finding = f"{variable}={spec}, but {f.host} has no interface {', '.join(lacking)}"
+    return [Row(variable, FAIL, f"{finding} (it has {', '.join(f.interfaces)})",
+                "name the interface on the network between the nodes (`ip addr` lists them), or unset it")]
 
 
 def memory_rows(f: Facts) -> list[Row]:

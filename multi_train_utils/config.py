@@ -216,11 +216,10 @@ def spawn_world_size(args: argparse.Namespace) -> int:
 
 def list_images_of(args: argparse.Namespace, launcher: str, ranks: Ranks | None = None, world_size: int = 1,
                    verbose: bool = True) -> Plan:
-    """--download's flower photos, and every image of --data-path: a folder per class, or train/ and
-    val/ with the same class folders. `verbose`: this process may print (each machine's first)."""
+    """--download's flower photos (a file lock lets one process of a machine download), and every image
+    of --data-path. `verbose`: this process may print (each machine's first)."""
     log = print if verbose and (ranks is None or ranks.local_rank == 0) else _quiet
     if args.download and not Path(args.data_path).is_dir():
-        # torchrun starts every process at once; a file lock inside lets one of them download.
         download_flower_photos(args.data_path, log=log)
     val_files, path = None, Path(args.data_path)
     if path.is_dir() and {d.name for d in path.iterdir()} & set(SPLIT_FOLDERS):  # train/ and val/: split already

@@ -232,15 +232,15 @@ def broadcast_buffers(model: torch.nn.Module, ctx: DistContext) -> None:
 
 
 def loader_options(args: Any, ctx: DistContext) -> dict[str, Any]:
-    """The DataLoaders' batch, workers (its CPUs less one, kept between epochs), pinned memory for a
-    GPU. Before CPython 3.11.10 a fork that catches a thread of gloo's, NCCL's or autograd's holding
-    the runtime lock hangs the child (python/cpython#112275): there workers fork from a fork server."""
+    """The DataLoaders' batch, workers (its CPUs less one, kept between epochs), pinned memory for a GPU.
+    Before CPython 3.11.10 a fork that catches gloo's, NCCL's or autograd's thread holding the runtime
+    lock hangs (python/cpython#112275): there workers fork from a fork server (fork_server.py)."""
     workers = default_workers(ctx.device, ctx.cpus) if args.workers is None else args.workers
     affected = sys.version_info < (3, 11, 10) or (3, 12) <= sys.version_info < (3, 12, 1)
     context = None
     if workers and affected and sys.platform == "linux" and (ctx.distributed or ctx.device.type == "cuda"):
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "torchvision", "my_dataset"])
+        context.set_forkserver_preload(["multi_train_utils.fork_server", "torch", "torchvision", "my_dataset"])
     return dict(batch_size=args.batch_size, num_workers=workers, persistent_workers=workers > 0,
                 worker_init_fn=leave_sigterm_to_trainer, pin_memory=ctx.device.type == "cuda",
                 multiprocessing_context=context)

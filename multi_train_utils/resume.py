@@ -75,7 +75,7 @@ def checked_split(plan: Plan, checkpoint: dict[str, Any] | None, ctx: DistContex
     --check-images, the folder's files that decode (readable_split). Collectives: resumed, a
     broadcast of whether rank 0 sees the record, then of rank 0's verdict on the recorded files;
     else an all_gather of the files each rank could not decode."""
-    args, root, lost_files = plan.args, plan.args.data_path, False
+    args, root, dropped_some_files = plan.args, plan.args.data_path, False
     path = checkpoint["loaded_from"] if checkpoint is not None else None
     recorded = Path(path).parent / SPLIT_FILE if path else None
     # broadcast: rank 0's view of the folder decides which collective every rank makes next (a node-local copy
@@ -84,7 +84,7 @@ def checked_split(plan: Plan, checkpoint: dict[str, Any] | None, ctx: DistContex
         verdict = broadcast_object(_recorded_or_error(plan, recorded) if ctx.is_main else None, ctx)
         if isinstance(verdict, str):
             raise UserError(verdict)
-        (split, root, lost_files), lines = verdict
+        (split, root, dropped_some_files), lines = verdict
         for line in lines:
             ctx.print0(line)
     else:
@@ -96,7 +96,7 @@ def checked_split(plan: Plan, checkpoint: dict[str, Any] | None, ctx: DistContex
             plan.samples, plan.class_names, args.val_rate, args.seed, plan.val_files)
     if checkpoint is not None:
         check_classes(checkpoint, split.class_names, path)
-    return split, root, lost_files
+    return split, root, dropped_some_files
 
 
 def _recorded_or_error(plan: Plan, recorded: Path) -> tuple[tuple[DataSplit, str, bool], list[str]] | str:
@@ -168,12 +168,12 @@ def readable_split(plan: Plan, ctx: DistContext) -> DataSplit:
 
 
 def restore_training(checkpoint: dict[str, Any], progress: Progress, optimizer: torch.optim.Optimizer,
-                     scaler: torch.amp.GradScaler, extra: Any, train_loader: Any, lost_files: bool,
+                     scaler: torch.amp.GradScaler, extra: Any, train_loader: Any, dropped_some_files: bool,
                      args: argparse.Namespace, ctx: DistContext) -> Progress:
     """Where the run stands: where `checkpoint` left it, its optimizer, scaler and weight-average
     state put back (every rank the same: the copies stay identical). A position inside an epoch
-    holds only for the same processes, batch and files (`lost_files`: some of the run's files were
-    left out): there the epoch's pass begins after the batches trained (`train_loader`'s sampler
+    holds only for the same processes, batch and files (`dropped_some_files`: --drop-missing left
+    some out): there the epoch's pass begins after the batches trained (`train_loader`'s sampler
     skips them), elsewhere that epoch starts over. The learning rate is not taken from the
     optimizer's state: train_one_epoch sets it from the step."""
     optimizer.load_state_dict(checkpoint["optimizer"])
@@ -196,11 +196,11 @@ def restore_training(checkpoint: dict[str, Any], progress: Progress, optimizer: 
     if progress.steps_in_epoch:
         same_steps = (checkpoint["world_size"] == ctx.world_size and checkpoint["args"]["batch_size"] == args.batch_size
                       and checkpoint["args"].get("accum_steps", 1) == args.accum_steps)
-        if same_steps and not lost_files:
+        if same_steps and not dropped_some_files:
             message += f"; epoch {progress.epoch + 1} goes on after step {progress.steps_in_epoch}"
             train_loader.sampler.skip_next_pass(progress.steps_in_epoch * args.batch_size)
         else:
-            why = (", whose order of images held the files left out" if lost_files else
+            why = (", whose order of images held the files left out" if dropped_some_files else
                    f" with {checkpoint['world_size']} process(es) of batch {checkpoint['args']['batch_size']}")
             message += f"; it stopped inside epoch {progress.epoch + 1}{why}, so that epoch starts over"
             # The stopped part's time was spent all the same: --time-budget counts it as used.

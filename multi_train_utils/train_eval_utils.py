@@ -54,7 +54,8 @@ class Progress:
         self.epoch, self.steps_in_epoch, self.epoch_sums, self.epoch_seconds = epoch, 0, (0.0, 0.0, 0.0), 0.0
         self.seconds_used += train_seconds + evaluated.seconds
         self.slowest_train = max(self.slowest_train, train_seconds)
-        is_best, self.best_acc = evaluated.better_acc > self.best_acc, max(self.best_acc, evaluated.better_acc)
+        acc = max(evaluated.val["val_acc"], evaluated.val.get("ema_val_acc", 0.0))  # --ema: best.pth holds the better
+        is_best, self.best_acc = acc > self.best_acc, max(self.best_acc, acc)
         return is_best
 
 
@@ -109,9 +110,8 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace, amp_dtype: torch
 
 
 def model_input(images: torch.Tensor, device: torch.device, channels_last: bool = True) -> torch.Tensor:
-    """A loader batch as the model takes it: uint8 pixels cross to the device in the model's
-    memory format and become normalised floats there; a float batch (--device-augment's crops,
-    synthetic input) is normalised already."""
+    """A loader batch as the model takes it: uint8 pixels cross to the device in the model's memory
+    format and become normalised floats there; a float batch (--device-augment's) is already."""
     images = images.to(device, non_blocking=True,
                        memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     return normalize(images) if images.dtype == torch.uint8 else images
@@ -236,11 +236,6 @@ class Evaluation:
     evaluated_bn: dict[str, torch.Tensor] | None = None
     seconds: float = 0.0
     stopped: bool = False
-
-    @property
-    def better_acc(self) -> float:
-        """The accuracy best.pth is chosen by: the model's, or --ema's average's if higher."""
-        return max(self.val["val_acc"], self.val.get("ema_val_acc", 0.0))
 
 
 @torch.no_grad()
