@@ -170,9 +170,8 @@ class ImageFiles(Dataset):
 
 
 def default_workers(device: torch.device, cpus: int) -> int:
-    """Loader workers for a process of `cpus` CPUs: all but one, for the loop itself. A core decodes
-    about 900 images/s and a GPU trains thousands; on the CPU workers need only stay a few batches
-    ahead of the step, which takes every core (performance.md)."""
+    """Loader workers for a process of `cpus` CPUs: all but one for a GPU, which trains thousands of images
+    a second (a core decodes 900); on the CPU, a few to stay ahead of the step (performance.md)."""
     return max(1, cpus - 1 if device.type == "cuda" else min(8, cpus - 1))
 
 
@@ -322,8 +321,7 @@ class EpochKeys(Sampler[tuple[int, int]]):
 
     def __init__(self, sampler: DistributedSampler):
         self.sampler, self.skip = sampler, 0
-        # Set by --time-budget once it knows the epoch count: the keys then carry each epoch's crop size to the
-        # loader workers, whose copies of the dataset were made before.
+        # Set by --time-budget once it knows the epoch count: the keys carry each epoch's crop size to the workers.
         self.sizes: SizeSchedule | None = None
 
     @property

@@ -61,9 +61,9 @@ def main() -> None:
     if args.trace_collectives:  # the Python-level collectives from here on, each with the line below that led to it
         collective_trace.start(__file__)
     if ctx.distributed:
-        # Complete once every rank has joined, at torchrun's store (an srun job's: rank 0's, whose wait names the
-        # missing); a peer missing, dead or stuck becomes an error after --dist-timeout. NCCL on GPUs, gloo on the CPU.
-        store = rendezvous.srun_store(ranks, args.dist_timeout) if ranks.srun_task else None
+        # Complete once every rank has joined, at torchrun's store (where no agent gathered them, srun's tasks: rank 0's,
+        # whose wait names the missing); a peer missing, dead or stuck becomes an error after --dist-timeout.
+        store = None if ranks.agent else rendezvous.job_store(ranks, args.dist_timeout)
         dist.init_process_group(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
                                 timeout=datetime.timedelta(seconds=args.dist_timeout),
                                 device_id=ctx.device if ctx.device.type == "cuda" else None)

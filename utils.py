@@ -122,9 +122,8 @@ def cpu_count() -> int:
 
 
 def load_rgb(path: str, min_size: int | None = None) -> Image.Image:
-    """Any image file as an upright 8-bit RGB picture. `min_size` lets the JPEG decoder skip
-    detail we would throw away: it decodes at 1/2 to 1/8 scale while both sides stay at least
-    `min_size`, which makes large photos several times cheaper to open."""
+    """Any image file as an upright 8-bit RGB picture; a JPEG at 1/2 to 1/8 scale where both sides
+    stay at least `min_size` (draft mode: large photos open several times faster)."""
     with Image.open(path) as img:
         if min_size and img.format == "JPEG":
             img.draft("RGB", (min_size, min_size))

@@ -1,10 +1,13 @@
 """Where the processes of a job meet when torchrun did not start them. srun starts each task on
-its own, and torch's env:// rendezvous would wait --dist-timeout for a missing one and name no
-one: here rank 0 hosts the store at MASTER_ADDR:MASTER_PORT, as env:// would, and names the
-missing every minute while it waits. The spawn launcher starts its processes itself, on one
-machine: it exports where they meet, and waits for them."""
+its own (so does a user who sets RANK and WORLD_SIZE by hand), and torch's env:// rendezvous would
+wait --dist-timeout for a missing one and name no one, or hang for as long on processes started
+for different counts: here rank 0 hosts the store at MASTER_ADDR:MASTER_PORT, as env:// would,
+names the missing every minute while it waits, and stops every rank at once, with one line, when
+they count different processes. The spawn launcher starts its processes itself, on one machine:
+it exports where they meet, and waits for them."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import os
@@ -36,10 +39,13 @@ def srun_ranks() -> Ranks | None:
     return Ranks(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), world_size, per_node, srun_task=True)
 
 
-def srun_store(ranks: Ranks, timeout_s: float) -> dist.TCPStore:
-    """The store the job's process group meets at: rank 0's, which waits for every rank as long
-    as --dist-timeout (the others connect, retrying, as long). A SIGTERM meanwhile ends the
-    process at once: no handler is set before training."""
+def job_store(ranks: Ranks, timeout_s: float) -> dist.TCPStore:
+    """The store the job's process group meets at, where no torchrun agent gathered the processes
+    (srun's tasks, or processes given RANK and WORLD_SIZE by hand): rank 0's, at MASTER_ADDR:
+    MASTER_PORT. Rank 0 waits for every rank as long as --dist-timeout (the others connect,
+    retrying, as long), naming the missing every minute, and checks that every rank counts the
+    same processes; each rank learns its verdict. A SIGTERM meanwhile ends the process at once:
+    no handler is set before training."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
@@ -49,25 +55,52 @@ def srun_store(ranks: Ranks, timeout_s: float) -> dist.TCPStore:
         why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         raise ProjectError(f"rank {ranks.rank} on {socket.gethostname()}: no rendezvous at {host}:{port} within "
                            f"{timeout_s:.0f} s ({why}): is rank 0 running there, and is the port free and open?") from None
-    store.set(f"joined/{ranks.rank}", socket.gethostname())
+    store.set(f"joined/{ranks.rank}", str(ranks.world_size))
+    if ranks.rank == 0:
+        verdict = joined_verdict(store, ranks.world_size, timeout_s, f"{host}:{port}")
+        store.set("verdict", verdict)
+        if verdict:  # the others read it from rank 0's store, which ends with rank 0: a few seconds for them
+            joined = [r for r in range(1, ranks.world_size) if store.check([f"joined/{r}"])]
+            with contextlib.suppress(dist.DistError):
+                store.wait([f"read/{r}" for r in joined], datetime.timedelta(seconds=10))
+            raise ProjectError(verdict)
+        return store
+    try:
+        store.wait(["verdict"], timeout)
+        verdict = store.get("verdict").decode()
+        store.set(f"read/{ranks.rank}", "")
+    except dist.DistError:
+        raise ProjectError(f"rank {ranks.rank}: rank 0 ended the rendezvous (its own line says why)") from None
+    if verdict:
+        raise ProjectError(f"rank 0 ended the rendezvous: {verdict}")
+    return store
+
+
+def joined_verdict(store: dist.TCPStore, world_size: int, timeout_s: float, where: str) -> str:
+    """Rank 0's wait at the rendezvous: "" once every rank has joined, counting `world_size`
+    processes as rank 0 does; else why not, as soon as it is known."""
     waited = 0.0
-    while ranks.rank == 0:
-        missing = [r for r in range(ranks.world_size) if not store.check([f"joined/{r}"])]
+    while True:
+        joined = {r: int(store.get(f"joined/{r}")) for r in range(world_size) if store.check([f"joined/{r}"])}
+        if others := {r: n for r, n in joined.items() if n != world_size}:
+            r, n = next(iter(others.items()))
+            return (f"rank {r} was started for {n} processes (WORLD_SIZE, SLURM_NTASKS), rank 0 for {world_size}: "
+                    "start every process with the same count")
+        missing = [r for r in range(world_size) if r not in joined]
         if not missing:
-            break
+            return ""
         names = ", ".join(f"rank {r}" for r in missing[:8]) + (" and more" if len(missing) > 8 else "")
         if waited >= timeout_s:
-            raise ProjectError(f"{ranks.world_size - len(missing)} of {ranks.world_size} processes joined at "
-                               f"{host}:{port} within {timeout_s:.0f} s (--dist-timeout); missing: {names}")
-        if waited:
-            print(f"rendezvous: waited {waited / 60:.0f} min at {host}:{port} for {names}", flush=True)
-        step = min(60.0, timeout_s - waited)
+            return (f"{world_size - len(missing)} of {world_size} processes joined at {where} within "
+                    f"{timeout_s:.0f} s (--dist-timeout); missing: {names}")
+        if waited and waited % 60 < 1:
+            print(f"rendezvous: waited {waited / 60:.0f} min at {where} for {names}", flush=True)
+        step = min(1.0, timeout_s - waited)  # short waits: a rank that joins with another count is named at once
         try:
             store.wait([f"joined/{r}" for r in missing], datetime.timedelta(seconds=step))
         except dist.DistError:
             pass
         waited += step
-    return store
 
 
 def meeting_point(args: Any) -> None:

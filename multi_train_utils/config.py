@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import os
 import re
+import socket
 import urllib.parse
 from pathlib import Path
 
@@ -158,9 +159,6 @@ class Plan:
 def check_options(args: argparse.Namespace, launcher: str, ranks: Ranks | None = None) -> None:
     """A mistake in the command line: one `error:` line in every process, before any of them talks
     to another, never a hung job. `ranks`: torchrun's or srun's, for the torchrun launcher."""
-    if launcher == "launch" and args.world_size is not None and args.world_size != (ranks.world_size if ranks else 1):
-        raise UserError(f"--world-size is {args.world_size}, but {ranks.world_size if ranks else 1} process(es) were "
-                        "started: start as many as you ask for (torchrun --nproc_per_node, srun --ntasks), or drop it")
     if not 0 < args.val_rate < 1:
         raise UserError(f"--val-rate must be between 0 and 1 (exclusive), not {args.val_rate}")
     for name in ("epochs", "batch_size", "accum_steps", "img_size", "val_img_size", "min_img_size", "num_classes"):
@@ -175,12 +173,21 @@ def check_options(args: argparse.Namespace, launcher: str, ranks: Ranks | None =
             or args.crop_scale != CROP_SCALE or args.clip_grad_norm is not None or args.cuda_graph == "on"
             or args.workers or args.bn_recalibrate or args.mixup_alpha or args.cutmix_alpha):
         check_recipe(args)
-    if getattr(args, "dist_url", "env://") != "env://":
-        parse_dist_url(args.dist_url)
-        if launcher == "launch" and (ranks is None or ranks.rank == 0):
-            where = (f"the one torchrun or srun set, {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if ranks
-                     else "not needed for one process")
-            print(f"--dist-url {args.dist_url} is not used: the rendezvous is {where}")
+    if launcher == "launch" and (args.world_size or args.dist_url != "env://" or "GLOO_SOCKET_IFNAME" in os.environ):
+        check_job_options(args, ranks)
+
+
+def check_job_options(args: argparse.Namespace, ranks: Ranks | None) -> None:
+    """What the torchrun launcher's --world-size, --dist-url and GLOO_SOCKET_IFNAME need."""
+    if args.world_size is not None and args.world_size != (ranks.world_size if ranks else 1):
+        raise UserError(f"--world-size is {args.world_size}, but {ranks.world_size if ranks else 1} process(es) were "
+                        "started: start as many as you ask for (torchrun --nproc_per_node, srun --ntasks), or drop it")
+    if "GLOO_SOCKET_IFNAME" in os.environ:  # an interface this machine lacks: torch's traceback in the rendezvous
+        check_socket_interfaces(os.environ["GLOO_SOCKET_IFNAME"])
+    if parse_dist_url(args.dist_url) and (ranks is None or ranks.rank == 0):
+        where = (f"the one torchrun or srun set, {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if ranks
+                 else "not needed for one process")
+        print(f"--dist-url {args.dist_url} is not used: the rendezvous is {where}")
 
 
 def check_run_options(args: argparse.Namespace) -> None:
@@ -200,6 +207,14 @@ def check_run_options(args: argparse.Namespace) -> None:
         read_state_dict(args.weights)  # exists and holds tensors, or a UserError
     if args.resume and args.resume != "auto":
         load_checkpoint(args.resume, mmap=True)  # mapped, so checking costs little
+
+
+def check_socket_interfaces(names: str) -> None:
+    """GLOO_SOCKET_IFNAME's interfaces (a comma-separated list) exist on this machine."""
+    have = [name for _, name in socket.if_nameindex()]
+    if missing := [name for name in names.split(",") if name not in have]:
+        raise UserError(f"GLOO_SOCKET_IFNAME names {', '.join(missing)}, which this machine ({socket.gethostname()}) "
+                        f"does not have: its interfaces are {', '.join(have)}")
 
 
 def spawn_world_size(args: argparse.Namespace) -> int:

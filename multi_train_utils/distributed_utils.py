@@ -39,6 +39,7 @@ class Ranks:
     world_size: int
     local_world_size: int
     srun_task: bool = False  # a task srun started: the CPUs SLURM gave it are its own
+    agent: bool = False  # torchrun's agent started it: the processes meet at the agent's store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +68,14 @@ class DistContext:
 
 
 def env_ranks(local_rank_arg: int | None = None) -> Ranks | None:
-    """Who this process is, from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
-    LOCAL_WORLD_SIZE; the legacy launcher without --use_env passes --local-rank instead of
-    LOCAL_RANK); None when torchrun did not start it (srun may have: cluster/rendezvous.py)."""
+    """Who this process is, from torchrun's environment (the legacy launcher without --use_env passes
+    --local-rank instead of LOCAL_RANK); None without it (srun's: cluster/rendezvous.py)."""
     env = os.environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return None
     local_rank = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
-    return Ranks(int(env["RANK"]), local_rank, int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+    return Ranks(int(env["RANK"]), local_rank, int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+                 agent="TORCHELASTIC_RUN_ID" in env)
 
 
 def parse_device(spec: str | None) -> torch.device:
@@ -247,9 +248,8 @@ def loader_options(args: Any, ctx: DistContext) -> dict[str, Any]:
 
 
 def leave_sigterm_to_trainer(worker_id: int) -> None:
-    """In a loader worker: ignore SIGTERM. SLURM, torchrun and `kill -TERM -PGID` signal every
-    process of a job; the training process acts on it, and needs its workers until it has saved.
-    The DataLoader ends them however it ends (utils.exit_on_error), or within seconds if it died."""
+    """In a loader worker: ignore SIGTERM, which SLURM and torchrun send every process of a job: the
+    training process acts on it, and needs its workers until it has saved (they end with it)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
