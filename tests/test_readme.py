@@ -22,8 +22,10 @@ import torch
 from conftest import REPO
 from test_figures import FIGURE
 
-from multi_train_utils.train_eval_utils import metrics_of
-from outputs import run_folder
+from multi_train_utils import run_folder
+from multi_train_utils.config import get_args_parser
+from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.train_eval_utils import Evaluation, Trained
 
 README = REPO / "README.md"
 MOST_LINES = 200
@@ -238,19 +240,20 @@ def documented_metrics_keys() -> set[str]:
 
 def written_metrics_keys() -> set[str]:
     """The keys of a metrics.jsonl line as the code builds it, with --ema: the epoch's record from
-    stand-in statistics, and the keys the run folder adds to it."""
-    evaluated = types.SimpleNamespace(val=metrics_of(torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64)),
-                                      seconds=1.0)
-    evaluated.val.update({f"ema_{k}": v for k, v in dict(evaluated.val).items()})  # as evaluate_epoch does
-    record = run_folder.epoch_record(1, collections.defaultdict(lambda: 1.0), evaluated, 16,
-                                     types.SimpleNamespace(train=[("a.jpg", 0)]), 1)
+    stand-in statistics (evaluate() names the weight average's metrics ema_*)."""
+    trained = Trained(1.0, 0.5, 2, 2, 1.0, 0.1, 0.01, (2.0, 1.0, 2.0), 1)
+    val = {"val_loss": 1.0, "val_acc": 0.5, "val_correct": 1, "val_total": 2}
+    evaluated = Evaluation({**val, **{f"ema_{k}": v for k, v in val.items()}}, seconds=1.0)
+    args = get_args_parser("test").parse_args([])
+    record = run_folder.epoch_record(1, trained, evaluated, types.SimpleNamespace(train=[("a.jpg", 0)]), args,
+                                     DistContext.single())
     added = re.findall(r"\brecord\[[\"'](\w+)[\"']\]\s*=", inspect.getsource(run_folder))
     return set(record) | set(added)
 
 
 def test_the_documented_metrics_keys_are_those_a_run_writes():
     documented, written = documented_metrics_keys(), written_metrics_keys()
-    assert {"train_seen", "checkpoint_seconds", "ema_val_acc"} <= written
+    assert {"train_seen", "data_wait_seconds", "ema_val_acc"} <= written
     assert documented == written, (f"written, not documented: {sorted(written - documented)}; "
                                    f"documented, not written: {sorted(documented - written)}")
 

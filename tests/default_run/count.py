@@ -29,9 +29,9 @@ DISTRIBUTED_UTILS = "multi_train_utils/distributed_utils.py"
 # The names code objects get that are not a def's or a class's.
 ANONYMOUS = {"<lambda>", "<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}
 # Where the threads and processes that libraries start for themselves are started from (the module
-# of a frame between the project's innermost frame and the start): DataLoader's workers, and
-# TensorBoard's writer threads.
-EXEMPT_STARTERS = ("torch.utils.data", "torch.utils.tensorboard", "tensorboard")
+# of a frame between the project's innermost frame and the start): DataLoader's workers (and its
+# fork server), TensorBoard's writer thread and tqdm's monitor thread.
+EXEMPT_STARTERS = ("torch.utils.data", "torch.utils.tensorboard", "tensorboard", "tqdm")
 
 
 @dataclass
