@@ -1,8 +1,8 @@
 """`--check`: the user's own command line diagnoses the setup instead of training. Stages, each
-under --check-timeout so that a hang becomes a verdict: what each process finds alone, the
-rendezvous, the inventory gathered to rank 0, a checked all-reduce, and the figures. Rank 0
-prints one table (check_rows.py's verdicts); the exit code says whether a job would run (0) or
-not (1)."""
+under --check-timeout so that a hang becomes a verdict: what each process finds alone (its
+first batch drawn as the run draws it), the rendezvous, the inventory gathered to rank 0, a
+checked all-reduce, and the figures. Rank 0 prints one table (check_rows.py's verdicts); the
+exit code says whether a job would run (0) or not (1)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,6 @@ import dataclasses
 import datetime
 import math
 import os
-import re
 import shutil
 import socket
 import sys
@@ -44,10 +43,11 @@ from cluster.check_rows import (
     merged,
     nccl_transports,
     p2p_row,
+    rendezvous_row,
     report,
     sum_row,
 )
-from cluster.rendezvous import srun_store
+from cluster.rendezvous import job_store
 from model import create_model
 from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import (
@@ -61,10 +61,20 @@ from multi_train_utils.distributed_utils import (
     parse_device,
     process_context,
 )
-from multi_train_utils.train_eval_utils import Progress, build_optimizer, train_one_epoch
+from multi_train_utils.train_eval_utils import (
+    Progress,
+    build_optimizer,
+    train_one_epoch,
+)
 from my_dataset import EpochKeys, cache_short_side, default_workers, train_and_val_sets
 from speed.image_cache import memory_available
-from utils import ProjectError, UserError, split_samples, stderr_line
+from utils import (
+    ProjectError,
+    UserError,
+    record_for_torchrun,
+    split_samples,
+    stderr_line,
+)
 
 LOADER_PREFETCH = 2  # batches each loader worker keeps ready (DataLoader's prefetch_factor)
 T = TypeVar("T")
@@ -169,8 +179,8 @@ def resolve(host: str) -> tuple[str, ...]:
 
 
 def hosts_store(rdzv: Ranks | None) -> bool:
-    """This process listens for the others: rank 0 of a job that torchrun did not start."""
-    return rdzv is not None and rdzv.rank == 0 and "TORCHELASTIC_RUN_ID" not in os.environ
+    """This process listens for the others: rank 0 of a job that torchrun's agent did not start."""
+    return rdzv is not None and rdzv.rank == 0 and not rdzv.agent
 
 
 def port_problem(rdzv: Ranks | None, host: str, port: int) -> str | None:
@@ -213,15 +223,15 @@ def synchronize(device: torch.device) -> None:
 
 def first_batch(plan: Plan, ctx: DistContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's first training batch of epoch 1, drawn as the launchers draw it (their split,
-    dataset, sampler and loader options, loader workers included), as train_one_epoch's loader
-    of one batch."""
+    dataset, sampler and loader options), as train_one_epoch's loader of one batch. Drawn in this
+    process: loader workers would outlive a check that gives up (os._exit) by a minute."""
     args = plan.args
     split = split_samples(plan.samples, plan.class_names, args.val_rate, args.seed, plan.val_files)
     train_set, _ = train_and_val_sets(split, args)
     sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
     sampler.set_epoch(1)
-    loader = DataLoader(train_set, sampler=EpochKeys(sampler), **loader_options(args, ctx))
-    return [next(iter(loader))]  # the loader's workers end with it, on return
+    no_workers = argparse.Namespace(**{**vars(args), "workers": 0})
+    return [next(iter(DataLoader(train_set, sampler=EpochKeys(sampler), **loader_options(no_workers, ctx))))]
 
 
 def time_training_step(plan: Plan, batch: list[tuple[torch.Tensor, torch.Tensor]], amp_dtype: torch.dtype | None,
@@ -265,16 +275,13 @@ def check(plan: Plan, rdzv: Ranks | None) -> int:
     except StageTimeout as e:
         give_up(rank, alone, Row("local checks", FAIL, str(e), "a name that takes long to resolve, or a hung file "
                                  "system (/dev/shm): see which with the same command in one process"))
+    # Its device (its local rank's GPU) and its share of the CPUs; a GPU it cannot have: the run's own error.
+    ctx = process_context(rdzv, plan.args.device, plan.args.backend)
     try:
-        ctx = process_context(rdzv, plan.args.device, plan.args.backend)  # its device, its share of the CPUs
-    except UserError as e:  # a GPU this process cannot have (device_rows says why)
-        give_up(rank, alone + local_rows(facts), Row("device", FAIL, str(e)))
-    try:
-        # As the run draws it; an image that does not decode: the run's own error.
+        # As the run would draw it; an image that does not decode: the run's own error.
         batch = bounded("the first batch", timeout, lambda: first_batch(plan, ctx), ctx.device)
     except StageTimeout as e:
-        give_up(rank, alone + local_rows(facts), Row("data", FAIL, str(e), "loader workers that do not start or "
-                                                     "answer: try --workers 0, and see /dev/shm's row"))
+        give_up(rank, alone + local_rows(facts), Row("data", FAIL, str(e), "a hung file system under --data-path"))
     if rdzv is None:
         return report(alone + local_rows(facts) + figure_rows(step_figures(plan, ctx, batch)))
     if not (facts.master and facts.port):
@@ -282,22 +289,21 @@ def check(plan: Plan, rdzv: Ranks | None) -> int:
                                                      "be set", "export the first node's address and a free port"))
     if facts.port_problem or not facts.master_resolves_to:  # no rendezvous can happen
         give_up(rank, alone + local_rows(facts), next(r for r in address_rows(facts) if r.result == FAIL))
-    if wrong_interface := interface_rows(facts):  # gloo would fail as it starts, NCCL at its first collective
+    if wrong_interface := interface_rows(facts):  # NCCL would fail at its first collective
         give_up(rank, alone + local_rows(facts), wrong_interface[0])
     if transport_log := nccl_log_file(facts.backend):
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P,NET", NCCL_DEBUG_FILE=transport_log)
-    if not facts.hosts_store and (unreachable := store_unreachable(facts.master, facts.port, timeout)):
-        give_up(rank, alone + local_rows(facts), Row("rendezvous", FAIL, unreachable, JOIN_FIX))
     try:
         with stderr_held():
-            # Where the launchers meet: an srun job at rank 0's store, which names the missing ranks;
-            # torchrun's and the spawn launcher's at torch's env:// (MASTER_ADDR:MASTER_PORT).
-            store = srun_store(rdzv, timeout) if rdzv.srun_task else None
+            # Where the launchers meet: torchrun's processes at its agent's store, the spawn launcher's at torch's
+            # env://; the others (srun's tasks, or started by hand) at rank 0's store, which names the missing.
+            agentless = plan.launcher == "launch" and not rdzv.agent
+            store = job_store(rdzv, timeout, option="--check-timeout") if agentless else None
             dist.init_process_group(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
                                     timeout=datetime.timedelta(seconds=timeout),
                                     device_id=ctx.device if ctx.device.type == "cuda" else None)
     except (ProjectError, RuntimeError) as e:  # torch's DistError is a RuntimeError
-        if rank != 0 and isinstance(e, dist.DistNetworkError):  # its store answered, then went: rank 0 gave up
+        if rank != 0 and isinstance(e, dist.DistNetworkError):  # rank 0 gave up, and its store went with it
             ended_by_rank_0(rank, "at the rendezvous")
         give_up(rank, alone + local_rows(facts), rendezvous_row(e, facts))
     try:
@@ -323,32 +329,12 @@ def check(plan: Plan, rdzv: Ranks | None) -> int:
     return code
 
 
-JOIN_FIX = ("start the missing processes; the same command with --check on each node shows what that node lacks "
-            "(docs/troubleshooting.md)")
-
-
-def store_unreachable(host: str, port: int, timeout_s: float) -> str | None:
-    """Why the store at host:port (rank 0's, or torchrun's agent's) did not answer within
-    `timeout_s`, asked here before torch is: torch's client logs each failed try with a C++
-    stack, and its error would not tell a rank 0 never reached from one that gave up."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())).close()
-            return None
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                why = os.strerror(e.errno) if e.errno else str(e) or type(e).__name__
-                return (f"no rendezvous at {host}:{port} within {timeout_s:g} s ({why}): is rank 0 running there, "
-                        "and is the port free and open?")
-            time.sleep(0.2)
-
-
 @contextlib.contextmanager
 def stderr_held() -> Iterator[None]:
     """What torch writes on stderr while the ranks meet, held back and written out once they have.
-    A failed rendezvous is its rank's one line (give_up's): torch's C++ logs its own account
-    with a C++ stack, and reads whether to log only once, when it is imported (TORCH_CPP_LOG_LEVEL)."""
+    A failed rendezvous is its rank's one line (give_up's): torch's C++ logs its own account of
+    each failed try of a store's client with a C++ stack, and reads whether to log only once,
+    when it is imported (TORCH_CPP_LOG_LEVEL)."""
     sys.stderr.flush()
     real_stderr = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -364,24 +350,12 @@ def stderr_held() -> Iterator[None]:
         sys.stderr.flush()
 
 
-def rendezvous_row(error: Exception, facts: Facts) -> Row:
-    """A rendezvous that failed: the srun store's own sentence, a wait that ran out (a process
-    missing, or gone), or the backend that could not start here (gloo's interface, NCCL)."""
-    if isinstance(error, ProjectError):
-        return Row("rendezvous", FAIL, str(error), JOIN_FIX)
-    why = (str(error).strip().splitlines() or [type(error).__name__])[-1]
-    if isinstance(error, dist.DistError):
-        return Row("rendezvous", FAIL, f"torch's rendezvous at {facts.master}:{facts.port}: {why}", JOIN_FIX)
-    why = re.sub(r"^\[enforce fail at [^\]]*\] [^.]*\. ", "", why)  # gloo's file, line and condition
-    return Row("process group", FAIL, f"{facts.backend} could not start on {facts.host}: {why}",
-               "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) must name an interface that is up, with an address on the "
-               "network between the nodes (`ip addr` lists them); NCCL_DEBUG=INFO tells more of NCCL")
-
-
 def give_up(rank: int, rows: list[Row], reason: Row) -> NoReturn:
-    """End a check that cannot go on: each rank's own line, rank 0's table, exit code 1. A
-    timed-out stage may leave a thread stuck in a socket or a collective: no teardown."""
-    stderr_line(f"rank {rank} on {socket.gethostname()}: {reason.check}: {reason.finding}")
+    """End a check that cannot go on: each rank's own line (torchrun's summary shows it too), rank
+    0's table, exit code 1. A timed-out stage may leave a thread stuck in a socket or a
+    collective: no teardown."""
+    line = stderr_line(f"rank {rank} on {socket.gethostname()}: {reason.check}: {reason.finding}")
+    record_for_torchrun(ProjectError(line), line)
     if rank == 0:
         report(rows + ([] if reason in rows else [reason]))
     sys.stdout.flush()

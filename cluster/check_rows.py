@@ -8,7 +8,10 @@ import ipaddress
 import math
 import re
 
+import torch.distributed as dist
+
 from speed.image_cache import cache_problem
+from utils import ProjectError
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
@@ -99,28 +102,21 @@ def address_rows(f: Facts) -> list[Row]:
 
 
 def interface_rows(f: Facts) -> list[Row]:
-    """The backend's *_SOCKET_IFNAME, when set, must name interfaces this machine has: gloo fails
-    as it starts on one it lacks, NCCL at its first collective. gloo takes names (comma-separated,
-    each one used); NCCL takes prefixes, `=` before exact names, `^` before those to leave out."""
-    variable = "NCCL_SOCKET_IFNAME" if f.backend == "nccl" else "GLOO_SOCKET_IFNAME"
-    spec = f.socket_ifnames.get(variable)
+    """NCCL_SOCKET_IFNAME, when set under NCCL, must match an interface this machine has: NCCL
+    fails at its first collective otherwise. It takes prefixes, `=` before exact names, `^`
+    before those to leave out. (A GLOO_SOCKET_IFNAME naming one it lacks is the run's own error.)"""
+    spec = f.socket_ifnames.get("NCCL_SOCKET_IFNAME") if f.backend == "nccl" else None
     if not spec:
         return []
-    if f.backend == "nccl":
-        leave_out = spec.startswith("^")
-        exact = spec.removeprefix("^").startswith("=")
-        names = [n for n in spec.removeprefix("^").removeprefix("=").split(",") if n]
-        matched = {i for i in f.interfaces if any(i == n if exact else i.startswith(n) for n in names)}
-        if set(f.interfaces) - matched if leave_out else matched:
-            return []
-        finding = f"no interface of {f.host} matches {variable}={spec}"
-    else:
-        lacking = [n for n in spec.split(",") if n not in f.interfaces]
-        if not lacking:
-            return []
-        finding = f"{variable}={spec}, but {f.host} has no interface {', '.join(lacking)}"
-    return [Row(variable, FAIL, f"{finding} (it has {', '.join(f.interfaces)})",
-                "name the interface on the network between the nodes (`ip addr` lists them), or unset it")]
+    leave_out = spec.startswith("^")
+    exact = spec.removeprefix("^").startswith("=")
+    names = [n for n in spec.removeprefix("^").removeprefix("=").split(",") if n]
+    matched = {i for i in f.interfaces if any(i == n if exact else i.startswith(n) for n in names)}
+    if set(f.interfaces) - matched if leave_out else matched:
+        return []
+    return [Row("NCCL_SOCKET_IFNAME", FAIL, f"no interface of {f.host} matches NCCL_SOCKET_IFNAME={spec} (it has "
+                f"{', '.join(f.interfaces)})", "name the interface on the network between the nodes (`ip addr` lists "
+                "them), or unset it")]
 
 
 def memory_rows(f: Facts) -> list[Row]:
@@ -319,3 +315,21 @@ def report(rows: list[Row]) -> int:
     lines += ["", f"check: a job would not run ({', '.join(failed)})" if failed else "check: a job would run"]
     print("\n".join(lines), flush=True)
     return 1 if failed else 0
+
+
+JOIN_FIX = ("start the missing processes; the same command with --check on each node shows what that node lacks "
+            "(docs/troubleshooting.md)")
+
+
+def rendezvous_row(error: Exception, facts: Facts) -> Row:
+    """A rendezvous that failed: the job store's own sentence, a wait at torch's that ran out (a
+    process missing, or gone), or the backend that could not start here (gloo's interface, NCCL)."""
+    if isinstance(error, ProjectError):
+        return Row("rendezvous", FAIL, str(error), JOIN_FIX)
+    why = (str(error).strip().splitlines() or [type(error).__name__])[-1]
+    if isinstance(error, dist.DistError):
+        return Row("rendezvous", FAIL, f"torch's rendezvous at {facts.master}:{facts.port}: {why}", JOIN_FIX)
+    why = re.sub(r"^\[enforce fail at [^\]]*\] [^.]*\. ", "", why)  # gloo's file, line and condition
+    return Row("process group", FAIL, f"{facts.backend} could not start on {facts.host}: {why}",
+               "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) must name an interface that is up, with an address on the "
+               "network between the nodes (`ip addr` lists them); NCCL_DEBUG=INFO tells more of NCCL")

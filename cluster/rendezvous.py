@@ -18,8 +18,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from multi_train_utils.distributed_utils import Ranks
 from multi_train_utils.config import parse_dist_url
+from multi_train_utils.distributed_utils import Ranks
 from utils import ProjectError, UserError, stderr_line
 
 
@@ -39,10 +39,10 @@ def srun_ranks() -> Ranks | None:
     return Ranks(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), world_size, per_node, srun_task=True)
 
 
-def job_store(ranks: Ranks, timeout_s: float) -> dist.TCPStore:
+def job_store(ranks: Ranks, timeout_s: float, option: str = "--dist-timeout") -> dist.TCPStore:
     """The store the job's process group meets at, where no torchrun agent gathered the processes
     (srun's tasks, or processes given RANK and WORLD_SIZE by hand): rank 0's, at MASTER_ADDR:
-    MASTER_PORT. Rank 0 waits for every rank as long as --dist-timeout (the others connect,
+    MASTER_PORT. Rank 0 waits for every rank as long as `option` says (the others connect,
     retrying, as long), naming the missing every minute, and checks that every rank counts the
     same processes; each rank learns its verdict. A SIGTERM meanwhile ends the process at once:
     no handler is set before training."""
@@ -57,7 +57,7 @@ def job_store(ranks: Ranks, timeout_s: float) -> dist.TCPStore:
                            f"{timeout_s:.0f} s ({why}): is rank 0 running there, and is the port free and open?") from None
     store.set(f"joined/{ranks.rank}", str(ranks.world_size))
     if ranks.rank == 0:
-        verdict = joined_verdict(store, ranks.world_size, timeout_s, f"{host}:{port}")
+        verdict = joined_verdict(store, ranks.world_size, timeout_s, f"{host}:{port}", option)
         store.set("verdict", verdict)
         if verdict:  # the others read it from rank 0's store, which ends with rank 0: a few seconds for them
             joined = [r for r in range(1, ranks.world_size) if store.check([f"joined/{r}"])]
@@ -76,7 +76,7 @@ def job_store(ranks: Ranks, timeout_s: float) -> dist.TCPStore:
     return store
 
 
-def joined_verdict(store: dist.TCPStore, world_size: int, timeout_s: float, where: str) -> str:
+def joined_verdict(store: dist.TCPStore, world_size: int, timeout_s: float, where: str, option: str) -> str:
     """Rank 0's wait at the rendezvous: "" once every rank has joined, counting `world_size`
     processes as rank 0 does; else why not, as soon as it is known."""
     waited = 0.0
@@ -92,7 +92,7 @@ def joined_verdict(store: dist.TCPStore, world_size: int, timeout_s: float, wher
         names = ", ".join(f"rank {r}" for r in missing[:8]) + (" and more" if len(missing) > 8 else "")
         if waited >= timeout_s:
             return (f"{world_size - len(missing)} of {world_size} processes joined at {where} within "
-                    f"{timeout_s:.0f} s (--dist-timeout); missing: {names}")
+                    f"{timeout_s:.0f} s ({option}); missing: {names}")
         if waited and waited % 60 < 1:
             print(f"rendezvous: waited {waited / 60:.0f} min at {where} for {names}", flush=True)
         step = min(1.0, timeout_s - waited)  # short waits: a rank that joins with another count is named at once

@@ -52,7 +52,10 @@ def create_run_folder(args: argparse.Namespace, launcher: str, ctx: DistContext)
 def write_run_files(output_dir: Path, args: argparse.Namespace, launcher: str, split: DataSplit, data_root: str,
                     ctx: DistContext, progress: Progress) -> None:
     """Rank 0's files before the epochs: config.json, class_indices.json and split.json (the
-    run's files, which a resumed run keeps: `data_root` is the folder they are under)."""
+    run's files, which a resumed run keeps: `data_root` is the folder they are under). A new run's
+    metrics.jsonl starts empty (a resumed run's keeps the epochs its checkpoint holds: resume.py)."""
+    if progress.epoch == progress.steps_in_epoch == 0:
+        (output_dir / METRICS_FILE).unlink(missing_ok=True)
     fixed = {"budget_epochs": progress.budget_epochs} if progress.budget_epochs else {}  # --time-budget's count
     write_json(output_dir / CONFIG_FILE, {**vars(args), "launcher": launcher, "world_size": ctx.world_size,
                                           "torch": torch.__version__, **fixed})

@@ -3,6 +3,7 @@ and the verdicts on machines this one is not, given as that machine's answers.""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import socket
 import sys
@@ -10,13 +11,24 @@ import time
 
 import pytest
 import torch
-from conftest import FAST, SAMPLE, call_main, kill_group, launcher_cmd, run_cli, start, user_error
+from conftest import (
+    FAST,
+    SAMPLE,
+    call_main,
+    free_port,
+    kill_group,
+    launcher_cmd,
+    run_cli,
+    start,
+    user_error,
+)
 
 import train_multi_gpu_using_launch
 import train_single_gpu
-from cluster.check import StageTimeout, bounded
+from cluster.check import StageTimeout, bounded, stderr_held
 from cluster.check_rows import (
     FAIL,
+    JOIN_FIX,
     OK,
     WARN,
     Facts,
@@ -28,6 +40,7 @@ from cluster.check_rows import (
     comm_share,
     device_rows,
     figure_rows,
+    interface_rows,
     inventory_rows,
     link_class,
     local_rows,
@@ -35,15 +48,24 @@ from cluster.check_rows import (
     merged,
     nccl_transports,
     p2p_row,
+    rendezvous_row,
     sum_row,
 )
-from multi_train_utils.distributed_utils import find_free_port
+from utils import ProjectError
 
 
-def as_srun_rank(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """The environment a hand-written job script or srun gives one process, without torchrun."""
+def by_hand(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment a hand-written job script gives one process, without torchrun: its
+    processes meet at rank 0's store (cluster/rendezvous.py's job_store), as srun's tasks do."""
     return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+
+
+def one_line_of_its_own(err: str, rank: int) -> str:
+    """A rank's stderr: one line, its own: none of torch's C++ stack, no traceback."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"rank {rank} on {socket.gethostname()}: "), err
+    return lines[0]
 
 
 # ---- the check on real processes
@@ -108,7 +130,7 @@ def test_two_torchrun_agents_pass_the_check_at_world_size_3(tmp_path):
     """Two agents joined by c10d, as on two nodes (2 processes and 1): the processes of each
     are started by torchrun, and the check's rendezvous is torchrun's store. Both agents on
     this machine meet on loopback, which the inventory's one host makes right."""
-    endpoint = f"127.0.0.1:{find_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     agents = [start([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={n}",
                      "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=check-test",
                      "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE), "--output-dir", str(tmp_path),
@@ -125,20 +147,68 @@ def test_two_torchrun_agents_pass_the_check_at_world_size_3(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_that_cannot_reach_rank_0_says_so_itself():
+    """Rank 0 missing: rank 1 tries its store until --check-timeout, then says so in one line
+    (torch's client logs each failed try with a C++ stack, which the check holds back)."""
+    started = time.monotonic()
     result = run_cli([sys.executable, "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE), *FAST,
-                      "--check", "--check-timeout", "3"], timeout=60, env=as_srun_rank(1, 2, find_free_port()))
+                      "--check", "--check-timeout", "3"], timeout=60, env=by_hand(1, 2, free_port()))
+    assert time.monotonic() - started < 60
     assert result.returncode == 1, result.stdout + result.stderr
     assert "check " not in result.stdout  # the table is rank 0's
-    assert re.search(r"rank 1 on \S+: rendezvous: rank 1 on \S+: no rendezvous at 127.0.0.1:\d+ within 3 s",
-                     result.stderr), result.stderr
+    line = one_line_of_its_own(result.stderr, 1)
+    assert re.search(r"rank 1 on \S+: rendezvous: rank 1 on \S+: no rendezvous at 127.0.0.1:\d+ within 3 s", line), line
+
+
+@pytest.mark.slow
+def test_a_rank_missing_ends_every_rank_within_a_minute_each_with_one_line(tmp_path):
+    """Rank 2 of 3 never starts (issue 74): rank 0's table names it once --check-timeout has
+    passed, and every rank ends non-zero within a minute with one line of its own; rank 1,
+    whose rank 0 ends the rendezvous, without torch's C++ stack."""
+    port = free_port()
+    cmd = [sys.executable, "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE), "--output-dir",
+           str(tmp_path), *FAST, "--check", "--check-timeout", "3"]
+    started = time.monotonic()
+    procs = [start(cmd, env=by_hand(rank, 3, port)) for rank in (0, 1)]
+    try:
+        (out0, err0), (out1, err1) = [proc.communicate(timeout=60) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    assert time.monotonic() - started < 60
+    assert [proc.returncode for proc in procs] == [1, 1], (err0, err1)
+    [row] = check_table(out0)["rendezvous"]
+    assert re.fullmatch(rf"FAIL 2 of 3 processes joined at 127.0.0.1:{port} within 3 s .*; missing: rank 2", row), row
+    assert "check: a job would not run (rendezvous)" in out0
+    assert "missing: rank 2" in one_line_of_its_own(err0, 0)
+    assert "rank 0 ended the" in one_line_of_its_own(err1, 1)
+    assert out1 == ""
+
+
+@pytest.mark.slow
+def test_a_gloo_interface_the_machine_lacks_ends_every_rank_at_once_with_one_line(tmp_path):
+    """GLOO_SOCKET_IFNAME naming no interface of this machine, under torchrun (issue 74): gloo
+    would raise in torch's rendezvous, a traceback in each process; each says which name is
+    missing, in one line, before any rendezvous, and torchrun's summary carries that line."""
+    missing = "nosuchif0"
+    assert missing not in {name for _, name in socket.if_nameindex()}
+    started = time.monotonic()
+    result = run_cli(launcher_cmd("launch", 2) + ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path), *CHECK],
+                     timeout=60, env={"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": missing})
+    assert time.monotonic() - started < 60
+    assert result.returncode != 0
+    own = [line for line in result.stderr.splitlines() if line.startswith(("error: ", "rank "))]
+    assert len(own) == 2 and all("GLOO_SOCKET_IFNAME" in line and missing in line for line in own), result.stderr
+    assert "Exception raised from" not in result.stderr  # torch's C++ stack
+    assert 'train_multi_gpu_using_launch.py", line' not in result.stderr  # a traceback of ours (torchrun has its own)
+    assert f"traceback : {own[0]}" in result.stderr
 
 
 @pytest.mark.slow
 def test_the_master_port_taken_is_named_with_the_fix(tmp_path):
-    port = find_free_port()
+    port = free_port()
     with socket.create_server(("127.0.0.1", port)):
         result = run_cli([sys.executable, "train_multi_gpu_using_launch.py", "--data-path", str(SAMPLE),
-                          "--output-dir", str(tmp_path), *CHECK], timeout=60, env=as_srun_rank(0, 1, port))
+                          "--output-dir", str(tmp_path), *CHECK], timeout=60, env=by_hand(0, 1, port))
     assert result.returncode == 1, result.stdout + result.stderr
     row = check_table(result.stdout)["port"][0]
     assert row == f"FAIL cannot listen on 127.0.0.1:{port}: Address already in use (on {socket.gethostname()})"
@@ -162,7 +232,8 @@ GiB = 2**30
 HEALTHY = Facts(rank=0, host="node0", device="cuda:0", gpu="GPU-0a", gpus_visible=8, local_world_size=8, nodes=2,
                 backend="nccl", nccl_available=True,
                 versions={"torch": "2.5.1", "CUDA": "12.4", "NCCL": "2.21.5", "driver": "550.54"},
-                socket_ifnames={"NCCL_SOCKET_IFNAME": "eth0"}, shm_free=64 * GiB, memory_available=500 * GiB,
+                socket_ifnames={"NCCL_SOCKET_IFNAME": "eth0"}, interfaces=("lo", "eth0", "ib0"), shm_free=64 * GiB,
+                memory_available=500 * GiB,
                 loader_bytes=GiB, cache_bytes=0, master="10.0.0.1", port=29500, master_resolves_to=("10.0.0.1",),
                 hosts_store=True, port_problem=None)
 
@@ -188,6 +259,45 @@ def test_a_name_resolving_to_loopback_fails_with_several_nodes_only():
     assert "/etc/hosts" in row.fix
     assert results(address_rows(dataclasses.replace(loopback, nodes=1))) == {"master address": OK}
     assert results(address_rows(machine(master_resolves_to=()))) == {"master address": FAIL}
+
+
+def test_an_nccl_socket_interface_the_machine_lacks_fails():
+    assert interface_rows(HEALTHY) == []
+    # NCCL's: prefixes; `=` exact names; `^` the names to leave out.
+    for spec, fails in [("eth", False), ("ib", False), ("en", True), ("=eth", True), ("=eth0", False),
+                        ("^lo,eth,ib", True), ("^lo", False), ("^=eth", False)]:
+        assert bool(interface_rows(machine(socket_ifnames={"NCCL_SOCKET_IFNAME": spec}))) == fails, spec
+    [row] = interface_rows(machine(socket_ifnames={"NCCL_SOCKET_IFNAME": "en"}))
+    assert (row.check, row.result) == ("NCCL_SOCKET_IFNAME", FAIL)
+    assert row.finding == "no interface of node0 matches NCCL_SOCKET_IFNAME=en (it has lo, eth0, ib0)"
+    assert "ip addr" in row.fix
+    assert interface_rows(machine(backend="gloo", device="cpu", socket_ifnames={"NCCL_SOCKET_IFNAME": "en"})) == []
+
+
+def test_a_failed_rendezvous_is_named_in_one_line_without_torchs_file_and_line():
+    missing = "2 of 3 processes joined at 10.0.0.1:29500 within 20 s; missing: rank 2"
+    assert rendezvous_row(ProjectError(missing), HEALTHY) == Row("rendezvous", FAIL, missing, JOIN_FIX)
+    store = rendezvous_row(torch.distributed.DistStoreError("wait timeout after 3000ms, keys: /default_pg/0//cpu//0/2"),
+                           HEALTHY)
+    assert (store.check, store.finding) == ("rendezvous", "torch's rendezvous at 10.0.0.1:29500: wait timeout after "
+                                                          "3000ms, keys: /default_pg/0//cpu//0/2")
+    gloo = rendezvous_row(RuntimeError("[enforce fail at /src/third_party/gloo/gloo/transport/tcp/device.cc:84] "
+                                       "ifa != nullptr. Unable to find address for: ifb0"),
+                          machine(backend="gloo", device="cpu"))
+    assert (gloo.check, gloo.finding) == ("process group", "gloo could not start on node0: Unable to find address "
+                                                           "for: ifb0")
+    assert "GLOO_SOCKET_IFNAME" in gloo.fix
+
+
+def test_what_torch_writes_on_stderr_while_the_ranks_meet_is_held_until_they_have(capfd):
+    with stderr_held():
+        os.write(2, b"[W socket.cpp:1] retrying\n")  # as torch's C++ writes it: to the file descriptor
+        assert capfd.readouterr().err == ""
+    assert capfd.readouterr().err == "[W socket.cpp:1] retrying\n"
+    with pytest.raises(RuntimeError), stderr_held():
+        os.write(2, b"Exception raised from recvBytes\nframe #0: c10::Error::Error\n")
+        raise RuntimeError("Connection closed")
+    assert capfd.readouterr().err == ""  # a failure is its rank's one line, written by give_up
 
 
 def test_a_small_dev_shm_and_a_cache_that_does_not_fit_fail():
@@ -295,7 +405,7 @@ def test_one_process_on_a_node_checks_the_way_to_the_first(monkeypatch, capsys, 
     request.addfinalizer(lambda threads=torch.get_num_threads(): torch.set_num_threads(threads))
     torch.set_num_threads(1)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(find_free_port()))  # nothing listens there
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nothing listens there
     with pytest.raises(SystemExit) as exit_info:
         call_main(train_multi_gpu_using_launch.main, ["--data-path", str(SAMPLE), *FAST, "--check"])
     out = capsys.readouterr().out
