@@ -127,11 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@exit_on_error  # an error: one `error:` line (or a traceback) and an exit code; Ctrl-C: 130
 def main() -> None:
     args = build_parser().parse_args()
-    with exit_on_error():
-        {"throughput": throughput, "data": data_paths, "accuracy": accuracy, "endtoend": endtoend,
-         "profile": profile_steps, "startup": startup, "decode": decode_rates}[args.command](args)
+    {"throughput": throughput, "data": data_paths, "accuracy": accuracy, "endtoend": endtoend,
+     "profile": profile_steps, "startup": startup, "decode": decode_rates}[args.command](args)
 
 
 if __name__ == "__main__":

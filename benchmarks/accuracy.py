@@ -16,10 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.instruments import PLOT_DPI, ROOT, Run, command_line, new_figure, write_result
-from benchmarks.ours_recipe import ours_plan
+from benchmarks.ours_recipe import ours_plan, ours_split
 from benchmarks.seed_recipe import train_seed
-from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.loaders import readable_split
 from utils import UserError, read_metrics
 
 
@@ -103,7 +101,7 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
     for seed in args.seeds:
         plan = ours_plan(args.data_path, args.img_size, args.batch_size, ["--epochs", str(args.epochs),
                                                                           "--seed", str(seed)])
-        split = readable_split(plan, DistContext.single())
+        split = ours_split(plan)  # the one the launcher draws for ours' run of this seed
         settings = {"data_path": args.data_path, "img_size": args.img_size, "epochs": args.epochs,
                     "batch_size": args.batch_size, "val_rate": plan.args.val_rate, "seeds": args.seeds,
                     "train_images": len(split.train), "val_images": len(split.val), "runs_dir": str(runs_dir)}

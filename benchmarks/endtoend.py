@@ -1,6 +1,7 @@
 """The end-to-end experiment: a whole training command timed as its user sees it, from typing it
-to its exit (start-up, the image list and split, decoding, every epoch's training and
-evaluation, the checkpoints and the final report), on a folder of a given size; and its time to
+to its exit (start-up, the image list and split, every epoch's training and evaluation, the
+checkpoints, and what its options add: decoding for --cache or --device-augment, --report's
+final report, --plots' pictures), on a folder of a given size; and its time to
 an accuracy: the seed recipe's final one, the seed recipe trained in the same call, as a command
 of its own (`python -m benchmarks.endtoend OPTIONS`, this module's own command line)."""
 from __future__ import annotations
@@ -21,23 +22,23 @@ from typing import Any
 
 from benchmarks.accuracy import curve, first_reach
 from benchmarks.instruments import ROOT, Run, data_of_size, median, write_result
+from benchmarks.ours_recipe import ours_split, plan_of
 from benchmarks.seed_recipe import train_seed
-from multi_train_utils.config import check_and_list_images, get_args_parser
-from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.loaders import readable_split
 from utils import METRICS_FILE, exit_on_error, read_metrics
 
 SEED = "the seed recipe"  # its runs' label; the target is its final accuracy
 DEFINITIONS = {
     "wall_seconds": "from starting the command to its exit, as `time` would show it",
     "to_last_checkpoint_seconds": "from starting the command to the last write of last.pth (the final epoch's); "
-                                  "after it come the final report on best.pth and the plots",
+                                  "after it come, when asked (--report, --plots), the final report on best.pth and "
+                                  "the plots, then the exit",
     "epochs_seconds": "training plus evaluation over all epochs, from metrics.jsonl",
     "outside_epochs_seconds": "wall_seconds - epochs_seconds: interpreter start-up, the image list and split, "
-                              "decoding for --cache/--device-augment, model set-up, checkpoints, the final report, "
-                              "plots and the exit",
-    "import_seconds": "importing the launcher and plots.py in a fresh process, timed inside it (measured "
-                      "after each run: the part of outside_epochs_seconds no change to the run itself can cut)",
+                              "decoding for --cache/--device-augment, model set-up, checkpoints, the final report "
+                              "and plots when asked (--report, --plots), and the exit",
+    "import_seconds": "importing the launcher (and plots.py under --plots) in a fresh process, timed inside it "
+                      "(measured after each run: the part of outside_epochs_seconds no change to the run itself can "
+                      "cut)",
     "beyond_imports_seconds": "outside_epochs_seconds - import_seconds",
     "first_epoch_seconds": "training time of epoch 1 (cuDNN autotuning, compilation, loader start)",
     "data_wait_share": "seconds the training loop waited for batches over all epochs / training seconds",
@@ -80,10 +81,12 @@ def launcher_command(launcher: str, nproc: int) -> list[str]:
             "train_multi_gpu_using_launch.py"]
 
 
-def import_seconds(tree: Path, launcher: str) -> float:
-    """Seconds a fresh process takes to import the launcher and plots.py, timed inside it
-    (neither the interpreter's start nor its exit)."""
-    code = f"import time; t = time.perf_counter(); import {LAUNCHERS[launcher]}, plots; print(time.perf_counter() - t)"
+def import_seconds(tree: Path, launcher: str, plots: bool = False) -> float:
+    """Seconds a fresh process takes to import what the run imports, timed inside it (neither the
+    interpreter's start nor its exit): the launcher, and plots.py for `plots` (--plots; a launcher
+    from before they became an option imports it itself)."""
+    modules = LAUNCHERS[launcher] + (", plots" if plots else "")
+    code = f"import time; t = time.perf_counter(); import {modules}; print(time.perf_counter() - t)"
     return float(subprocess.run([sys.executable, "-c", code], cwd=tree, check=True, capture_output=True,
                                 text=True).stdout)
 
@@ -239,7 +242,8 @@ def endtoend(args: argparse.Namespace) -> dict[str, Any]:
                     else:
                         cmd = [*launcher_command(args.launcher, nproc), *common, *shlex.split(options)]
                         record.update(time_command(cmd, out, tree))
-                        record["import_seconds"] = round(import_seconds(tree, args.launcher), 2)
+                        plots = "--plots" in shlex.split(options)
+                        record["import_seconds"] = round(import_seconds(tree, args.launcher, plots), 2)
                         record["beyond_imports_seconds"] = round(record["outside_epochs_seconds"]
                                                                  - record["import_seconds"], 2)
                 except Exception as e:  # noqa: BLE001 (one failing set of options must not lose the others' numbers)
@@ -261,13 +265,12 @@ def train_seed_recipe(argv: list[str]) -> None:
     command of its own, so that its clock starts, as ours does, with the interpreter. It reads the
     launchers' options (the data, split, epochs, image size, batch size and output folder are what
     it uses), prints each epoch's line as the epoch ends and writes metrics.jsonl at its end."""
-    plan = check_and_list_images(get_args_parser(SEED).parse_args(argv), "benchmark", verbose=False)
-    records = train_seed(plan.args, readable_split(plan, DistContext.single()), lambda line: print(line, flush=True))
+    plan = plan_of(argv)
+    records = train_seed(plan.args, ours_split(plan), lambda line: print(line, flush=True))
     out = Path(plan.args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 if __name__ == "__main__":
-    with exit_on_error():
-        train_seed_recipe(sys.argv[1:])
+    exit_on_error(train_seed_recipe)(sys.argv[1:])

@@ -2,7 +2,7 @@
 # The GPU measurements and checks of docs/performance.md and docs/troubleshooting.md, as run on a
 # lent GPU machine in calls of under ten minutes (`bash benchmarks/gpu_session.sh 1`, then `... 2`
 # in the first loan; `3`, then `4`, in the second; `5` in the third; `6` next; `7`, then `8`,
-# after the launchers' rewrite): each step is cut by its own time limit, so that
+# after the launchers' rewrite; `9` after the core's, 2d3466f): each step is cut by its own time limit, so that
 # a call ends inside its lease, and each writes its result under $OUT as it finishes (parts 3 and 4:
 # the JSON results in $OUT/results.tar, refreshed after every step). DATA: the 800-photo
 # development folder.
@@ -199,4 +199,35 @@ fi
 if [ "$1" = 8 ]; then
     timeout 300 $PY -m pytest tests/test_gpu.py -v -p no:cacheprovider --timeout 110 --durations=5 \
         -k "throughput or recorder or nccl_stages or sigterm" 2>&1 | tee "$OUT/gpu-tests-rest.log"
+fi
+
+# Part 9: after the core's rewrite (2d3466f), each GPU path the benchmarks take through it, short (no figure of
+# docs/ measured again): the seed, the graphed and the eager step in the throughput experiment (the graph made
+# once by training_extras, as the launchers make it), the graphed step profiled, the whole job with the
+# defaults and with --device-augment, nvJPEG's decoding, and a start-up stopped by SIGTERM and resumed. About
+# 6 minutes; each result into $OUT.
+if [ "$1" = 9 ]; then
+    step "machine"
+    machine 2>&1 | tee "$OUT/machine.txt"
+
+    step "throughput at batch 16: the seed, graphed, eager; random tensors and real JPEGs"
+    timeout 150 $PY -m benchmarks throughput --data-path "$DATA" --world-sizes 1 --batch-size 16 --steps 20 \
+        --warmup 10 --repeats 1 --configs seed ours-graph ours-eager --out "$OUT/throughput.json" 2>&1 \
+        | grep -v Warning | tail -8
+
+    step "the step of 16 profiled: graphed (the default)"
+    timeout 60 $PY -m benchmarks profile --data-path "$DATA" --batch-size 16 --steps 20 --warmup 10 \
+        --out "$OUT/profile.json" 2>&1 | grep -v Warning | tail -14
+
+    step "the whole job, 2 epochs of 800 photos: the defaults and --device-augment"
+    timeout 120 $PY -m benchmarks endtoend --data-path "$DATA" --images 800 --epochs 2 --batch-size 16 --repeats 1 \
+        --no-seed-recipe --variant '' --variant=--device-augment --out "$OUT/endtoend.json" 2>&1 \
+        | grep -v Warning | tail -8
+
+    step "start-up decoding: nvJPEG against the CPU's threads"
+    timeout 30 $PY -m benchmarks decode --data-path "$DATA" --out "$OUT/decode.json" 2>&1 | grep -v Warning | tail -4
+
+    step "start-up: to the first step, stopped by SIGTERM once the run takes it as a request, and resumed"
+    timeout 60 $PY -m benchmarks startup --data-path "$DATA" --images 800 --img-size 64 --out "$OUT/startup.json" 2>&1 \
+        | grep -v Warning | tail -6
 fi

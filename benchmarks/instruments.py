@@ -274,8 +274,11 @@ def write_result(result: dict[str, Any], out: str, report: str,
     path.write_text(json.dumps(result, indent=1) + "\n")
     written = [path]
     if plot is not None:
-        plot(result, path.with_suffix(".png"))
-        written.append(path.with_suffix(".png"))
+        png = path.with_suffix(".png")
+        png.unlink(missing_ok=True)  # an earlier result's picture: this one's, or none (nothing to draw, no matplotlib)
+        plot(result, png)
+        if png.exists():
+            written.append(png)
     print(report)
     print("wrote " + " and ".join(map(str, written)))
 

@@ -15,11 +15,11 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.instruments import Run, write_result
-from benchmarks.ours_recipe import ours_plan
+from benchmarks.ours_recipe import ours_plan, ours_split
 from model import model_for
-from multi_train_utils.distributed_utils import setup_single
-from multi_train_utils.progress import Progress
-from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
+from multi_train_utils.distributed_utils import autocast_dtype, process_context
+from multi_train_utils.train_eval_utils import Extras, Progress, build_optimizer, train_one_epoch
+from recipe import extras
 
 # A kernel's (or, on the CPU, an operator's) kind, by the first words found in its name, in
 # this order: cuDNN's BatchNorm kernels are named bn_*, its convolutions *fprop*/*dgrad*/*wgrad*.
@@ -64,16 +64,25 @@ def profile_steps(args: argparse.Namespace) -> dict[str, Any]:
     run = Run("profile", args.machine)
     device_option = ["--device", args.device] if args.device else []
     plan = ours_plan(args.data_path, args.img_size, args.batch_size, device_option + args.options)
-    ctx = setup_single(args.device)
+    ctx = process_context(None, plan.args.device)
+    cuda = ctx.device.type == "cuda"
+    # The model, optimizer and step as train_single_gpu.py builds them.
     torch.manual_seed(0)
     model = model_for(plan.args, len(plan.class_names))
-    placed = place_model(model, plan.args, ctx.device)
-    optimizer, scaler, _ = build_optimizer(model, plan.args, ctx.device)
+    memory_format = torch.channels_last if plan.args.channels_last else torch.contiguous_format
+    model.to(ctx.device, memory_format=memory_format)
+    amp_dtype = autocast_dtype(plan.args.amp, ctx.device)  # the launchers' job_precision, without its line
+    if cuda:  # cuDNN's autotuning; a CUDA graph's side stream
+        extras.prepare_gpu(plan.args, ctx)
+    compiled = torch.compile(model) if plan.args.compile else model
+    optimizer, scaler = build_optimizer(model, plan.args, amp_dtype)
     criterion = nn.CrossEntropyLoss(label_smoothing=plan.args.label_smoothing)
+    extra = Extras()
+    if plan.args.ema or plan.args.mixup_alpha or plan.args.cutmix_alpha or plan.args.bn_recalibrate or cuda:
+        extra = extras.training_extras(compiled, model, optimizer, ours_split(plan), plan.args, ctx)  # and a CUDA graph
     shape = (args.batch_size, 3, args.img_size, args.img_size)
-    batch = (torch.randint(256, shape, dtype=torch.uint8, device=ctx.device).contiguous(memory_format=placed.memory_format),
+    batch = (torch.randint(256, shape, dtype=torch.uint8, device=ctx.device).contiguous(memory_format=memory_format),
              torch.randint(len(plan.class_names), (args.batch_size,), device=ctx.device))
-    cuda = ctx.device.type == "cuda"
 
     def steps(count: int) -> float:
         """Seconds of `count` training steps, the device's work included."""
@@ -81,7 +90,8 @@ def profile_steps(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
         started = time.perf_counter()
         # ends with a host read: the work is done
-        train_one_epoch(model, criterion, optimizer, scaler, [batch] * count, 1, Progress(), plan.args, ctx)
+        train_one_epoch(compiled, criterion, optimizer, scaler, [batch] * count, 1, Progress(), amp_dtype, plan.args,
+                        ctx, extra)
         return time.perf_counter() - started
 
     steps(args.warmup)  # autotuning, compilation
@@ -100,7 +110,7 @@ def profile_steps(args: argparse.Namespace) -> dict[str, Any]:
     rate = args.batch_size * args.steps / seconds
     result = run.result(
         {"img_size": args.img_size, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
-         "options": args.options, "device": str(ctx.device), "amp_dtype": str(placed.amp_dtype)},
+         "options": args.options, "device": str(ctx.device), "amp_dtype": str(amp_dtype)},
         definitions=DEFINITIONS, images_per_sec=round(rate, 1), step_ms=round(1000 * seconds / args.steps, 2),
         flop_per_image=flops, achieved_tflops=round(flops * rate / 1e12, 1),
         kinds={k: round(v, 3) for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])},

@@ -21,8 +21,8 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 from torchvision import transforms as v1
 
 from model import create_model
-from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, setup_single
-from multi_train_utils.train_eval_utils import PlacedModel, evaluate
+from multi_train_utils.distributed_utils import DistContext, all_reduce_sum, process_context
+from multi_train_utils.train_eval_utils import evaluate
 from my_dataset import IMAGENET_MEAN, IMAGENET_STD, eval_resize
 from utils import DataSplit, Sample, TrainingDiverged
 
@@ -120,7 +120,7 @@ def _seed_bar(loader: Iterable, ctx: DistContext) -> Any:
 
 def train_seed(args: argparse.Namespace, split: DataSplit, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """The seed's training loop and schedule, in this process, on the project's split and model."""
-    ctx = setup_single(None)
+    ctx = process_context(None, None)
     epochs = args.epochs
     train_tf, val_tf = seed_transforms(args.img_size)
     model, optimizer = seed_model_and_optimizer(len(split.class_names), args.seed, ctx)
@@ -131,6 +131,8 @@ def train_seed(args: argparse.Namespace, split: DataSplit, log: Callable[[str], 
         return ((1 + math.cos(x * math.pi / epochs)) / 2) * (1 - SEED_LRF) + SEED_LRF
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=cosine)
+    # The project's exact evaluation, fed as the seed fed its model: NCHW, no mirrored copy (--tta).
+    seed_eval = argparse.Namespace(**{**vars(args), "channels_last": False, "tta": False})
     records = []
     for epoch in range(epochs):
         train_sampler.set_epoch(epoch)
@@ -140,7 +142,7 @@ def train_seed(args: argparse.Namespace, split: DataSplit, log: Callable[[str], 
         scheduler.step()
         train_seconds = time.perf_counter() - t0
         # At one process the project's exact evaluation counts what the seed's did: argmax hits / images.
-        val = evaluate(PlacedModel(model, ctx.device), val_loader, ctx)
+        val = evaluate(model, val_loader, seed_eval, ctx).val
         records.append({"epoch": epoch + 1, "train_loss": train_loss, **val, "lr": lr, "epoch_seconds": train_seconds,
                         "eval_seconds": time.perf_counter() - t0 - train_seconds})
         log(f"seed epoch {epoch + 1}/{epochs}: train loss {train_loss:.4f}, val acc {val['val_acc']:.4f}, "

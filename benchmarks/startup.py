@@ -1,6 +1,6 @@
 """The start-up experiment: how long a training command takes to reach its first step, and
-the memory its process holds by then, for a new run (which lists, checks and splits the folder)
-and for a resume of it (which reads the split it recorded), on folders of several sizes."""
+the memory its process holds by then, for a new run (which lists and splits the folder) and
+for a resume of it (which reads the split it recorded), on folders of several sizes."""
 from __future__ import annotations
 
 import argparse
@@ -17,17 +17,26 @@ from benchmarks.instruments import ROOT, Run, data_of_size, write_result
 
 DEFINITIONS = {
     "seconds_to_first_step": "from starting train_single_gpu.py to its 'training:' line, printed just before the first "
-                             "step (interpreter start-up, listing, the decode check or the recorded split, the model, "
-                             "the loaders)",
+                             "step (interpreter start-up, listing and splitting the folder or reading the recorded "
+                             "split, with --check-images decoding it, the model, the loaders)",
     "peak_rss_mb": "the training process's peak resident memory (VmHWM) at that line; loader workers not included",
     "per_10000_images": "the growth of seconds_to_first_step per 10,000 images, between the smallest and the largest folder",
 }
 READY = "training: "  # the line a run prints just before its first step
 
 
+def catches_sigterm(pid: int) -> bool:
+    """Whether process `pid` has a handler for SIGTERM (SigCgt in /proc/PID/status). A launcher
+    sets its own just after the 'training:' line: a SIGTERM before it ends the run at once, unsaved."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
 def first_step(cmd: list[str]) -> dict[str, float]:
-    """Start `cmd`, wait for its first step, note the time and memory, then stop it with
-    SIGTERM (the run saves its position, which the resume measurement starts from)."""
+    """Start `cmd`, wait for its first step, note the time and memory, then, once the run takes a
+    SIGTERM as a request, stop it with one (it saves its position, which the resume measurement
+    starts from)."""
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"})
@@ -38,6 +47,8 @@ def first_step(cmd: list[str]) -> dict[str, float]:
             seconds = time.perf_counter() - started
             status = Path(f"/proc/{proc.pid}/status").read_text()
             hwm = next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmHWM:")) / 1024
+            while proc.poll() is None and not catches_sigterm(proc.pid):
+                time.sleep(0.01)
             proc.send_signal(signal.SIGTERM)
             proc.communicate()
             return {"seconds_to_first_step": round(seconds, 2), "peak_rss_mb": round(hwm, 1),
@@ -53,7 +64,7 @@ def startup(args: argparse.Namespace) -> dict[str, Any]:
     for images in args.images:
         with data_of_size(args.data_path, images) as (data, _), tempfile.TemporaryDirectory() as out:
             cmd = [sys.executable, "train_single_gpu.py", "--data-path", data, "--output-dir", out,
-                   "--img-size", str(args.img_size), "--epochs", "1", "--no-plots", *args.options]
+                   "--img-size", str(args.img_size), "--epochs", "1", *args.options]
             row: dict[str, Any] = {"images": images}
             row["new"] = first_step(cmd)
             row["resume"] = first_step([*cmd, "--resume", "auto"])

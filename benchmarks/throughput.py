@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import itertools
 import json
 import multiprocessing
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -17,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-import torch.multiprocessing as mp
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from benchmarks.instruments import MemorySampler, Run, StepTimer, data_of_size, rank_rate, vm_hwm_mb, write_result
 from benchmarks.ours_recipe import OURS_OPTIONS, SAME_SYNTHETIC_AS_OURS, missing_option, ours_plan
@@ -31,16 +34,16 @@ from multi_train_utils.config import Plan
 from multi_train_utils.distributed_utils import (
     DistContext,
     Ranks,
-    find_free_port,
+    ShardSampler,
+    autocast_dtype,
     gather_objects,
-    init_distributed,
-    setup_single,
-    stop,
-    teardown,
+    loader_options,
+    process_context,
 )
-from multi_train_utils.loaders import loaders_of, readable_split
-from multi_train_utils.progress import Progress
-from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
+from multi_train_utils.resume import readable_split
+from multi_train_utils.train_eval_utils import Extras, Progress, build_optimizer, train_one_epoch
+from my_dataset import EpochKeys, train_and_val_sets
+from recipe import extras
 from utils import DataSplit, UserError, exit_on_error
 
 JOB_TIMEOUT_SECONDS = 1200  # one measurement; a hung process group must not stall the whole benchmark
@@ -103,22 +106,45 @@ def build_trainer(job: Job, ctx: DistContext) -> Trainer:
                        loader, sampler.set_epoch if sampler else _no_epoch)
 
     # Ours, assembled as the launchers assemble it.
-    loader, _, sampler = loaders_of(split, job.plan, ctx) if real else (None, None, None)
+    loader, sampler = ours_loader(job.plan, split, ctx) if real else (None, None)
     torch.manual_seed(args.seed)
     model = model_for(args, len(split.class_names))
-    placed = place_model(model, args, ctx.device)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model.to(ctx.device, memory_format=memory_format)
+    amp_dtype = autocast_dtype(args.amp, ctx.device)  # the launchers' job_precision, without its line
     if args.sync_bn and ctx.distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if ctx.device.type == "cuda" else cpu_sync_batchnorm(model)
+    if ctx.device.type == "cuda":  # cuDNN's autotuning; before the wrap, a CUDA graph's side stream
+        extras.prepare_gpu(args, ctx)
     wrapped = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None) \
         if ctx.distributed else model
     if args.compile:
         wrapped = torch.compile(wrapped)
-    optimizer, scaler, _ = build_optimizer(model, args, ctx.device)
+    optimizer, scaler = build_optimizer(model, args, amp_dtype)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    extra = Extras()
+    if args.ema or args.mixup_alpha or args.cutmix_alpha or args.bn_recalibrate or ctx.device.type == "cuda":
+        extra = extras.training_extras(wrapped, model, optimizer, split, args, ctx)  # and a CUDA graph
     # The schedule's length: the epoch an epoch of this many batches would be (its shape only).
     progress = Progress(last_epoch=1)
-    return Trainer(lambda batches: train_one_epoch(wrapped, criterion, optimizer, scaler, batches, 1, progress, args, ctx),
-                   placed.memory_format, loader, sampler.set_epoch if sampler else _no_epoch)
+    return Trainer(lambda batches: train_one_epoch(wrapped, criterion, optimizer, scaler, batches, 1, progress,
+                                                   amp_dtype, args, ctx, extra),
+                   memory_format, loader, sampler.set_epoch if sampler else _no_epoch)
+
+
+def ours_loader(plan: Plan, split: DataSplit, ctx: DistContext) -> tuple[Iterable, DistributedSampler]:
+    """The training loader as the launchers build it, and its DistributedSampler."""
+    args = plan.args
+    train_set, val_set = train_and_val_sets(split, args)
+    if args.cache or args.device_augment:  # the pictures decoded once
+        train_set, val_set = extras.decoded_once(split, train_set, val_set, args, ctx)
+    sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
+    options = loader_options(args, ctx)
+    loader = DataLoader(train_set, sampler=EpochKeys(sampler), **options, drop_last=len(sampler) > args.batch_size)
+    if args.device_augment:  # each batch cropped on the device (the validation loader is built, never drawn)
+        val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), ctx), **options)
+        loader, _ = extras.device_loaders(loader, val_loader, args, ctx)
+    return loader, sampler
 
 
 def _no_epoch(epoch: int) -> None:
@@ -181,23 +207,34 @@ def measure(job: Job, ctx: DistContext) -> dict[str, Any]:
     return out
 
 
+@exit_on_error  # in each process mp.spawn starts: its own `error:` line (or traceback) and exit code
 def _rank_main(rank: int, job: Job) -> None:
     """One process of a measurement (the target of mp.spawn)."""
+    measure_rank(rank, job)
+
+
+def measure_rank(rank: int, job: Job) -> None:
+    """One process of a measurement: its process group, its numbers, and rank 0 writing every
+    rank's. Called in this process (--launcher single), its error reaches the caller, which
+    records it and measures the next configuration."""
     # A process made by mp.spawn would start its loader workers by spawning too; the seed's
     # launcher (torch.distributed.launch) and our single-process one start them as the platform does.
     multiprocessing.set_start_method(job.start_method, force=True)
-    with exit_on_error():
-        try:
-            if job.world_size == 1:
-                ctx = setup_single(None)
-            else:
-                ctx = init_distributed(Ranks(rank, rank, job.world_size, job.world_size), None, None, 600)
-            per_rank = gather_objects(measure(job, ctx), ctx)
-            if ctx.is_main:
-                Path(job.result_path).write_text(json.dumps({"ranks": per_rank, "device": str(ctx.device),
-                                                             "threads": torch.get_num_threads()}))
-        finally:
-            teardown()
+    try:
+        if job.world_size == 1:
+            ctx = process_context(None, None)
+        else:
+            ctx = process_context(Ranks(rank, rank, job.world_size, job.world_size), None)
+            dist.init_process_group(ctx.backend, rank=rank, world_size=job.world_size,
+                                    timeout=datetime.timedelta(seconds=600),
+                                    device_id=ctx.device if ctx.device.type == "cuda" else None)
+        per_rank = gather_objects(measure(job, ctx), ctx)
+        if ctx.is_main:
+            Path(job.result_path).write_text(json.dumps({"ranks": per_rank, "device": str(ctx.device),
+                                                         "threads": torch.get_num_threads()}))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _run_processes(job: Job, in_process: bool) -> MemorySampler:
@@ -206,13 +243,13 @@ def _run_processes(job: Job, in_process: bool) -> MemorySampler:
         sampler = MemorySampler([os.getpid()])
         sampler.start()
         try:
-            _rank_main(0, job)
+            measure_rank(0, job)
         finally:
             sampler.stop()
         return sampler
     if job.world_size > 1:
         # A free port on loopback, and gloo kept there: inherited by the ranks.
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), GLOO_SOCKET_IFNAME="lo")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
     context = mp.spawn(_rank_main, args=(job,), nprocs=job.world_size, join=False)
     sampler = MemorySampler([p.pid for p in context.processes])
     sampler.start()
@@ -223,8 +260,28 @@ def _run_processes(job: Job, in_process: bool) -> MemorySampler:
                 raise TimeoutError(f"still running after {JOB_TIMEOUT_SECONDS}s")
     finally:
         sampler.stop()
-        stop(context.processes)
+        end_processes(context.processes)
     return sampler
+
+
+def free_port() -> int:
+    """A port on loopback that no one listens on now, for a measurement's process group to meet at."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def end_processes(processes: list, grace_seconds: float = 5.0) -> None:
+    """A measurement's processes, ended whatever state they are in: SIGTERM, a grace period, then
+    SIGKILL, so that none outlives its measurement."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(grace_seconds)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def run_job(job: Job, in_process: bool) -> dict[str, Any]:
@@ -342,6 +399,7 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     with data_of_size(args.data_path, args.images) as (data_path, _):
         # The image list and the split once, here; every measurement gets the same.
         plans = {c: ours_plan(data_path, args.img_size, args.batch_size, OURS_OPTIONS.get(c, [])) for c in configs}
+        # Every image decoded once here, and any that does not decode left out: no measurement stops on one.
         split = readable_split(next(iter(plans.values())), DistContext.single())
         print(f"{len(split.train)} training images, {len(split.class_names)} classes; configs {configs}, "
               f"world sizes {world_sizes}, inputs {inputs}, {args.repeats} repetition(s)", flush=True)

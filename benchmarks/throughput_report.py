@@ -95,6 +95,9 @@ def plot_throughput(result: dict[str, Any], path: Path) -> None:
     """Training images/s per configuration and world size, synthetic next to real, with the
     loader alone as a tick: where the tick is below a real bar's top, data loading limits it."""
     rows = {(r["config"], r["world_size"], r["input"]): r for r in result["summary"] if "images_per_sec" in r}
+    if not rows:
+        print("no measurement succeeded: no plot")
+        return
     groups = sorted(dict.fromkeys((c, w) for c, w, _ in rows), key=_group_order)
     fig = new_figure(max(6.5, 1.35 * len(groups) + 2), 4.8)
     if fig is None:

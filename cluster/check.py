@@ -28,53 +28,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from cluster.check_rows import (
-    DDP_BUCKET_BYTES,
-    FAIL,
-    OK,
-    Facts,
-    Figures,
-    Row,
-    address_rows,
-    figure_rows,
-    interface_rows,
-    inventory_rows,
-    local_rows,
-    merged,
-    nccl_transports,
-    p2p_row,
-    rendezvous_row,
-    report,
-    sum_row,
-)
+from cluster.check_rows import (DDP_BUCKET_BYTES, FAIL, OK, Facts, Figures, Row, address_rows, figure_rows,
+                                interface_rows, inventory_rows, local_rows, merged, nccl_transports, p2p_row,
+                                rendezvous_row, report, sum_row)
 from cluster.rendezvous import job_store
 from model import create_model
 from multi_train_utils.config import Plan
-from multi_train_utils.distributed_utils import (
-    DistContext,
-    Ranks,
-    broadcast_object,
-    cpus_per_process,
-    gather_objects,
-    job_precision,
-    loader_options,
-    parse_device,
-    process_context,
-)
-from multi_train_utils.train_eval_utils import (
-    Progress,
-    build_optimizer,
-    train_one_epoch,
-)
+from multi_train_utils.distributed_utils import (DistContext, Ranks, broadcast_object, cpus_per_process,
+                                                 gather_objects, job_precision, loader_options, parse_device,
+                                                 process_context)
+from multi_train_utils.train_eval_utils import Progress, build_optimizer, train_one_epoch
 from my_dataset import EpochKeys, cache_short_side, default_workers, train_and_val_sets
 from speed.image_cache import memory_available
-from utils import (
-    ProjectError,
-    UserError,
-    record_for_torchrun,
-    split_samples,
-    stderr_line,
-)
+from utils import ProjectError, UserError, record_for_torchrun, split_samples, stderr_line
 
 LOADER_PREFETCH = 2  # batches each loader worker keeps ready (DataLoader's prefetch_factor)
 T = TypeVar("T")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 from conftest import SAMPLE, check_png, ok, run_cli
 
-from benchmarks import accuracy, endtoend, instruments, ours_recipe, profile
+from benchmarks import accuracy, endtoend, instruments, ours_recipe, profile, startup, throughput_report
 from utils import UserError, list_images
 
 TINY = ["--data-path", str(SAMPLE), "--img-size", "32"]
@@ -93,6 +95,16 @@ def test_profile_takes_a_step_apart(tmp_path):
     times = [t["ms_per_step"] for t in data["top"]]
     assert times == sorted(times, reverse=True)
     assert any(profile.kind_of(t["name"]) == "convolution" for t in data["top"]), data["top"]
+
+
+def test_a_result_without_a_successful_measurement_is_written_without_a_picture(tmp_path, capsys):
+    """Every measurement failed: the JSON keeps their errors, and no picture, not an earlier one, goes beside it."""
+    out = tmp_path / "throughput.json"
+    out.with_suffix(".png").write_bytes(b"an earlier result's picture")
+    result = {"summary": [{"config": "ours", "world_size": 1, "input": "real", "repeats": 0, "failed": 1}]}
+    instruments.write_result(result, str(out), "| table |", throughput_report.plot_throughput)
+    assert json.loads(out.read_text()) == result and not out.with_suffix(".png").exists()
+    assert capsys.readouterr().out.splitlines()[-2:] == ["| table |", f"wrote {out}"]
 
 
 def test_kernels_and_operators_are_sorted_into_kinds():
@@ -228,6 +240,19 @@ def test_startup_times_a_new_run_and_its_resume(tmp_path):
     assert "| per 10,000 more |" in result.stdout
 
 
+def test_the_start_up_experiment_stops_a_run_only_once_it_takes_sigterm_as_a_request():
+    """A launcher sets its SIGTERM handler after the 'training:' line; a SIGTERM before it ends the
+    run unsaved, and the resume would have nothing to start from: the experiment waits for it."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        assert not startup.catches_sigterm(os.getpid())
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        assert startup.catches_sigterm(os.getpid())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_budgets_are_shares_of_the_seed_recipes_time_for_ours_and_its_variants():
     args = argparse.Namespace(budgets=[0.2, 1.0], variant_budgets=[0.2])
     runs = accuracy.budgeted([("ours", []), ("ours --crop-scale 0.35", ["--crop-scale", "0.35"])], args, 600.0)
@@ -260,7 +285,7 @@ def test_accuracy_against_wall_time_and_under_time_budgets(tmp_path):
     out = tmp_path / "budgets.json"
     ok(run_cli([*BENCHMARKS, "accuracy", *TINY, "--epochs", "1", "--out", str(out), "--batch-size", "8",
                 "--seeds", "3", "--budgets", "1", "--variant", "--ema --tta", "--runs-dir", str(tmp_path / "runs")],
-               timeout=300))
+               timeout=600))
     data = json.loads(out.read_text())
     assert data["settings"]["batch_size"] == 8 and data["settings"]["seeds"] == [3]
     assert data["settings"]["train_images"] == 95 and data["settings"]["val_images"] == 25
@@ -283,7 +308,7 @@ def test_accuracy_against_wall_time_and_under_time_budgets(tmp_path):
     again = tmp_path / "again.json"
     screened = ok(run_cli([*BENCHMARKS, "accuracy", *TINY, "--epochs", "1", "--out", str(again), "--batch-size", "8",
                            "--seeds", "3", "--budgets", "0.5", "--seed-runs", str(out),
-                           "--runs-dir", str(tmp_path / "again")], timeout=300))
+                           "--runs-dir", str(tmp_path / "again")], timeout=600))
     assert "seed epoch" not in screened.stdout
     reread = json.loads(again.read_text())
     assert reread["runs"]["seed"]["3"]["curve"] == data["runs"]["seed"]["3"]["curve"]
@@ -297,13 +322,12 @@ def test_the_compiled_configuration_is_compiled_as_the_launchers_compile(monkeyp
     the call when compiling moved into the launchers, and measured the eager step under its name)."""
     from benchmarks import throughput
     from multi_train_utils.distributed_utils import DistContext
-    from multi_train_utils.loaders import readable_split
 
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compiled.append(model) or model)
     ctx = DistContext.single(torch.device("cpu"))
     for config, expected in (("ours", 0), ("ours-compile", 1)):
         plan = ours_recipe.ours_plan(str(SAMPLE), 32, 2, ours_recipe.OURS_OPTIONS[config])
-        job = throughput.Job(config, 1, "synthetic", plan, readable_split(plan, ctx), 1, 1, "", "fork")
+        job = throughput.Job(config, 1, "synthetic", plan, ours_recipe.ours_split(plan), 1, 1, "", "fork")
         throughput.build_trainer(job, ctx)
         assert len(compiled) == expected, config

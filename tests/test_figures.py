@@ -134,7 +134,6 @@ def torch_versions_unlike_their_results(text: str) -> list[str]:
     """Each result file a section names whose recorded torch is not the version the section
     states (or, where it states none, the section around it)."""
     sections: list[tuple[int, str, list[str]]] = []  # (heading level, heading, lines)
-    parents: list[int] = []  # indices into sections, one per open heading level
     fenced = False
     sections.append((0, "(top)", []))
     for line in text.splitlines():
