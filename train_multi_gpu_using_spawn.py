@@ -9,7 +9,7 @@ free port on 127.0.0.1 unless MASTER_ADDR/MASTER_PORT are set. On a machine with
 says what each does.
 
 main() starts the processes; each runs worker() and then train(), on its own share of the
-images: train() is a copy of the torchrun launcher's, line for line (the launcher's name aside),
+images: train() is a copy of the torchrun launcher's, line for line,
 so that each launcher reads alone. The rule of collectives: every rank makes the same
 collectives (all_reduce, broadcast, gather, barrier) in the same order, and none under `if rank
 == 0:`; a rank that skips one leaves the others waiting in it. Each line below that makes one,
@@ -38,8 +38,9 @@ from multi_train_utils.run_folder import create_run_folder, epoch_line, epoch_re
 from multi_train_utils.train_eval_utils import Extras, Progress, build_optimizer, evaluate, train_one_epoch
 from my_dataset import EpochKeys, train_and_val_sets
 from utils import exit_on_error, split_samples
+from cluster import rendezvous  # where the processes meet, and the wait for them: main()'s, every run
 # What a default run never enters: each is one `if` below.
-from cluster import preemption, rendezvous
+from cluster import preemption
 from multi_train_utils import resume
 from outputs import collective_trace, report, scaling
 from recipe import budget, extras

@@ -144,6 +144,5 @@ def train(plan, ctx, output_dir) -> None:
         print(f"done: best val_acc {progress.best_acc:.4f}; checkpoints and logs in {output_dir}", flush=True)
 
 
-
 if __name__ == "__main__":
     main()

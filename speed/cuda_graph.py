@@ -21,7 +21,6 @@ from torch import nn
 from multi_train_utils.config import blockers
 
 
-
 def wanted(args: argparse.Namespace, device: torch.device) -> bool:
     """Whether this run's steps are graphed: --cuda-graph on, or auto on a GPU where the options
     allow it and it was tried (--sync-bn's collectives inside the forward pass were not)."""

@@ -1,18 +1,20 @@
 """The house's shape: each folder is a part of the plan, and imports flow one way, down this list.
 
     entry scripts        train_*.py, predict.py, export.py, make_sample.py, benchmarks/
-    cluster/             what a cluster does to a run: SIGTERM and preemption, lost peers, --check
-    outputs/             the run folder, rank 0's checkpoints and logs, the report, the plots
-    multi_train_utils/   the data-parallel core the tour walks: the command line, the loaders and
-                         their samplers, the training step and the exact evaluation, the checkpoint
-    recipe/  speed/      the recipe's options (budget, schedule, EMA, mixing, BatchNorm
-                         recalibration) and the speed-ups (CUDA graph, GPU decoding, the image
-                         cache, augmentation on the device; the scaling summary that measures them)
+    cluster/             what a cluster does to a run: the rendezvous of srun's tasks and the spawn
+                         launcher's, preemption, --check
+    outputs/             what a run leaves beyond its checkpoints: the report, the plots, the
+                         scaling summary, the collective trace, the exported model
+    recipe/  speed/      the recipe's options (budget, EMA, mixing, BatchNorm recalibration;
+                         extras.py, which sets them up for the launchers) and the speed-ups (CUDA
+                         graph, GPU decoding, the image cache, augmentation on the device), one
+                         layer: recipe/extras.py uses speed/
+    multi_train_utils/   the data-parallel core the tour walks: the command line, the run folder,
+                         the training step and the exact evaluation, the checkpoint and resuming,
+                         the loaders' fork server; it imports none of the packages above
     multi_train_utils/distributed_utils.py
                          the process group, the distributed state as a value and the collective
-                         helpers: every package above uses them, so they sit below the options
-    processes/           how the processes meet (rendezvous, torchrun's store) and how their
-                         helper processes take signals
+                         helpers: the rest of the core builds on them, they on no other of it
     model.py  my_dataset.py  plots.py     know nothing of processes or launchers
     utils.py             files, images, errors
 
@@ -23,6 +25,7 @@ given a layer here, which is the moment to decide where it belongs.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -30,9 +33,9 @@ from conftest import PACKAGES, REPO
 
 ENTRY_SCRIPTS = {"train_single_gpu", "train_multi_gpu_using_launch", "train_multi_gpu_using_spawn", "predict", "export",
                  "make_sample"}
-LAYERS = {"utils": 0, "model": 1, "my_dataset": 1, "plots": 1, "processes": 2,
-          "multi_train_utils.distributed_utils": 3, "recipe": 4, "speed": 4, "multi_train_utils": 5, "outputs": 6,
-          "cluster": 7, "benchmarks": 8, **{name: 8 for name in ENTRY_SCRIPTS}}
+LAYERS = {"utils": 0, "model": 1, "my_dataset": 1, "plots": 1, "multi_train_utils.distributed_utils": 2,
+          "multi_train_utils": 3, "recipe": 4, "speed": 4, "outputs": 5, "cluster": 6, "benchmarks": 7,
+          **{name: 7 for name in ENTRY_SCRIPTS}}
 
 
 def project_modules(root: Path = REPO) -> dict[str, str]:
@@ -54,11 +57,17 @@ def layer(module: str) -> int:
     raise AssertionError(f"{module} has no layer: add it to LAYERS in tests/test_layout.py")
 
 
+@functools.lru_cache(maxsize=None)
+def tree_of(source: str) -> ast.Module:
+    """The tree of a module's source, parsed once (the callers only read it)."""
+    return ast.parse(source)
+
+
 def imports(module: str, source: str, known: set[str]) -> list[tuple[str, list[str], int]]:
     """(imported project module, names taken from it, line) for every import in `source`."""
     found = []
     package = module if module in {m.split(".")[0] for m in known if "." in m} else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree_of(source)):
         if isinstance(node, ast.Import):
             found += [(alias.name, [], node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -78,7 +87,7 @@ def imports(module: str, source: str, known: set[str]) -> list[tuple[str, list[s
 def private_attributes(source: str, known: set[str]) -> list[tuple[str, int]]:
     """`module._name` uses, where `module` was bound by `import module` (or `import module as m`)."""
     aliases = {}
-    tree = ast.parse(source)
+    tree = tree_of(source)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -152,11 +161,15 @@ def with_change(module: str, extra: str) -> dict[str, str]:
     ("multi_train_utils.checkpoint", "import predict", "an entry script"),
     ("benchmarks", "from plots import _not_public", "private _not_public"),
     ("multi_train_utils.config", "import my_dataset\nx = my_dataset._secret", "uses the private my_dataset._secret"),
-    ("multi_train_utils.checkpoint", "from outputs import run_folder", "a layer above it"),
+    ("multi_train_utils.checkpoint", "from outputs.report import draw_plots", "a layer above it"),
     ("multi_train_utils.distributed_utils", "from recipe.budget import most_epochs", "a layer above it"),
-    ("speed.image_cache", "from multi_train_utils.loaders import RunData", "a layer above it"),
-    ("processes.rendezvous", "from multi_train_utils.distributed_utils import DistContext", "a layer above it"),
+    ("multi_train_utils.train_eval_utils", "from speed.cuda_graph import graphed_step", "a layer above it"),
+    ("multi_train_utils.resume", "from cluster.rendezvous import srun_ranks", "a layer above it"),
+    ("multi_train_utils.distributed_utils", "from multi_train_utils.checkpoint import save_atomic", "a layer above it"),
+    ("recipe.extras", "from outputs.scaling import ddp_timers", "a layer above it"),
+    ("outputs.report", "from cluster.preemption import save_position_and_exit", "a layer above it"),
     ("multi_train_utils.checkpoint", "from multi_train_utils import config", "import cycle"),
+    ("speed.cuda_graph", "from recipe.extras import training_extras", "import cycle"),
 ])
 def test_each_kind_of_wrong_import_is_caught(module, line, complaint):
     problems = violations(with_change(module, line))
@@ -170,10 +183,12 @@ def test_a_module_without_a_layer_is_caught():
 
 
 def test_every_package_of_the_project_has_a_layer():
-    """A folder of Python modules at the top is a package of the plan, or a place outside it."""
+    """A folder of Python modules at the top is a package of the plan, or a place outside it;
+    tests/conftest.py's PACKAGES lists them in the order of their layers, lowest first."""
     outside = {"tests", "docs", "data", "runs"}
     folders = {path.parent.name for path in REPO.glob("*/*.py")} - outside
     assert folders <= set(PACKAGES), f"{sorted(folders - set(PACKAGES))}: add to PACKAGES and LAYERS"
+    assert [layer(package) for package in PACKAGES] == sorted(layer(package) for package in PACKAGES)
 
 
 def test_the_readmes_layout_names_every_package_and_module():
@@ -185,3 +200,14 @@ def test_the_readmes_layout_names_every_package_and_module():
                if f.name != "__init__.py" and f"`{f.name}`" not in layout and f"/{f.name}`" not in layout]
     missing += [f"{package}/" for package in PACKAGES if f"`{package}/`" not in layout]
     assert not missing, f"README's layout table leaves out {missing}"
+
+
+MOST_LINES = 450  # a file a reader can hold in mind; past it, a feature wants a module of its own
+
+
+def test_no_file_grows_past_450_lines():
+    """Every Python file of the repository, the tests' too."""
+    elsewhere = {".git", ".venv", "venv", "site-packages", "runs"}
+    files = [path for path in REPO.rglob("*.py") if not elsewhere & set(path.parts)]
+    long = {str(p.relative_to(REPO)): n for p in files if (n := len(p.read_text().splitlines())) > MOST_LINES}
+    assert files and not long, long
