@@ -121,6 +121,12 @@ def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def queued_seconds() -> float:
+    """Seconds this thread has waited, ready to run, for a core (Linux's schedstat; 0 elsewhere)."""
+    schedstat = Path("/proc/thread-self/schedstat")
+    return int(schedstat.read_text().split()[1]) / 1e9 if schedstat.exists() else 0.0
+
+
 def load_rgb(path: str, min_size: int | None = None) -> Image.Image:
     """Any image file as an upright 8-bit RGB picture; a JPEG at 1/2 to 1/8 scale where both sides
     stay at least `min_size` (draft mode: large photos open several times faster)."""

@@ -22,6 +22,9 @@ from multi_train_utils.distributed_utils import DistContext, broadcast_object
 from multi_train_utils.train_eval_utils import Evaluation, Progress, Trained, global_batch
 from utils import CONFIG_FILE, METRICS_FILE, SPLIT_FILE, DataSplit, UserError, save_split, write_json
 
+# The share of an epoch the training thread waited, ready to run, for a core, above which the epoch's line
+# says so: other programs on the cores, or more threads and workers than cores (docs/troubleshooting.md).
+BUSY_CPU = 0.25
 TENSORBOARD_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "train_images_per_sec")
 
 
@@ -72,17 +75,19 @@ def epoch_record(epoch: int, trained: Trained, evaluated: Evaluation, split: Dat
             "train_total": len(split.train), "train_seen": trained.epoch_images, **evaluated.val, "lr": trained.lr,
             "epoch_seconds": trained.seconds, "eval_seconds": evaluated.seconds,
             "train_images_per_sec": trained.train_images / trained.seconds,
-            "data_wait_seconds": trained.data_wait_seconds, "world_size": ctx.world_size,
-            "global_batch_size": global_batch(args, ctx)}
+            "data_wait_seconds": trained.data_wait_seconds, "cpu_queued_seconds": trained.cpu_queued_seconds,
+            "world_size": ctx.world_size, "global_batch_size": global_batch(args, ctx)}
 
 
 def epoch_line(record: dict[str, Any], epochs: int, is_best: bool) -> str:
+    busy = record["cpu_queued_seconds"] / record["epoch_seconds"]
     return (
         f"epoch {record['epoch']}/{epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "
         f"val loss {record['val_loss']:.4f} acc {record['val_acc']:.4f} ({record['val_correct']}/{record['val_total']})"
         + (f", average {record['ema_val_acc']:.4f}" if "ema_val_acc" in record else "")
         + f" | {record['train_images_per_sec']:.1f} img/s, {record['epoch_seconds']:.1f}s "
-        f"({100 * record['data_wait_seconds'] / record['epoch_seconds']:.0f}% waiting for data)"
+        f"({100 * record['data_wait_seconds'] / record['epoch_seconds']:.0f}% waiting for data"
+        + (f", {busy:.0%} for a free core" if busy > BUSY_CPU else "") + ")"
         + (" *best*" if is_best else "")
     )
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from model import batch_norm_statistics, set_train_mode
 from multi_train_utils.distributed_utils import DistContext, all_reduce_min, all_reduce_sum, broadcast_buffers
 from my_dataset import normalize
-from utils import TrainingDiverged
+from utils import TrainingDiverged, queued_seconds
 
 # Steps between the ranks' looks at the run (a small all_reduce and a host sync each, so the loop
 # never waits on the device at every step): every 20, or about every 5 s where steps are slow. A
@@ -142,6 +142,7 @@ class Trained:
     batches: int
     stopped: int = 0
     seconds_per_step: float = 0.0
+    cpu_queued_seconds: float = 0.0  # the training thread's wait for a CPU taken by other programs (the mean)
 
 
 def train_one_epoch(model: nn.Module, criterion: nn.Module, optimizer: torch.optim.Optimizer,
@@ -154,7 +155,7 @@ def train_one_epoch(model: nn.Module, criterion: nn.Module, optimizer: torch.opt
     closing backward(); after the first step, then at least every 20, an all_reduce(MIN) of 3
     numbers (a non-finite loss on any rank ends the run, a SIGTERM on any rank stops every rank
     after this step, the slowest rank's pace); one all_reduce(SUM) of the epoch's sums."""
-    started = time.perf_counter()
+    started, queued = time.perf_counter(), queued_seconds()
     k, done = args.accum_steps, progress.steps_in_epoch
     batches = done + len(loader)
     steps_per_epoch = math.ceil(batches / k)
@@ -218,11 +219,12 @@ def train_one_epoch(model: nn.Module, criterion: nn.Module, optimizer: torch.opt
         asked = time.perf_counter()
     bar.close()
     # all_reduce: the epoch's sums over every rank, once.
-    loss_sum, correct, count, waits = all_reduce_sum(torch.cat([sums, sums.new_tensor([images, waited])]), ctx).tolist()
+    host = sums.new_tensor([images, waited, queued_seconds() - queued])
+    loss_sum, correct, count, waits, queues = all_reduce_sum(torch.cat([sums, host]), ctx).tolist()
     return Trained(loss_sum / max(count, 1), correct / max(count, 1), int(count), int(count - progress.epoch_sums[2]),
                    time.perf_counter() - started, waits / ctx.world_size,
                    learning_rate(epoch * steps_per_epoch, steps_per_epoch, epochs, args, ctx), (loss_sum, correct, count),
-                   stopped or batches, stopped, pace)
+                   stopped or batches, stopped, pace, queues / ctx.world_size)
 
 
 @dataclasses.dataclass(frozen=True)

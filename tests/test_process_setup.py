@@ -137,3 +137,26 @@ def test_eval_only_evaluates_at_the_checkpoints_size(tmp_path):
     result = json.loads((evaluated / "eval.json").read_text())
     assert result["val_correct"] == metrics(run)[0]["val_correct"]
     assert result["val_loss"] == pytest.approx(metrics(run)[0]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_an_epoch_that_waited_for_a_busy_core_says_so(one_core, tmp_path):
+    """The run alone on its core: its epoch line says nothing of the CPU. With two other programs
+    spinning on that core, its training thread waits for it most of the epoch (Linux's count, not
+    a clock): the line gives the share."""
+    ok(train_here(tmp_path / "alone", "--epochs", "1", "--model", "resnet18", "--no-channels-last"))
+    alone = metrics(tmp_path / "alone")[0]
+    assert alone["cpu_queued_seconds"] < 0.25 * alone["epoch_seconds"], alone
+    core = os.sched_getaffinity(0)
+    spin = [sys.executable, "-c", "while True: pass"]
+    spinners = [subprocess.Popen(spin, preexec_fn=lambda: os.sched_setaffinity(0, core)) for _ in range(2)]
+    try:
+        out = ok(train_here(tmp_path / "busy", "--epochs", "1", "--model", "resnet18", "--no-channels-last")).stdout
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    busy = metrics(tmp_path / "busy")[0]
+    share = busy["cpu_queued_seconds"] / busy["epoch_seconds"]
+    assert share > 0.4, busy  # a third of the core is the run's
+    assert f"% waiting for data, {share:.0%} for a free core)" in out
