@@ -61,9 +61,9 @@ def main() -> None:
     if args.trace_collectives:  # the Python-level collectives from here on, each with the line below that led to it
         collective_trace.start(__file__)
     if ctx.distributed:
-        # Complete once every rank has joined, at torchrun's store (where no agent gathered them, srun's tasks: rank 0's,
-        # whose wait names the missing); a peer missing, dead or stuck becomes an error after --dist-timeout.
-        store = None if ranks.agent else rendezvous.job_store(ranks, args.dist_timeout)
+        # Complete once every rank has joined: at torchrun's store, or at job_store's (a group torchrun restarted; srun's
+        # tasks, whose rank 0 names the missing). A peer missing, dead or stuck becomes an error after --dist-timeout.
+        store = None if ranks.agent and not ranks.restart else rendezvous.job_store(ranks, args.dist_timeout)
         dist.init_process_group(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
                                 timeout=datetime.timedelta(seconds=args.dist_timeout),
                                 device_id=ctx.device if ctx.device.type == "cuda" else None)

@@ -39,15 +39,20 @@ def srun_ranks() -> Ranks | None:
     return Ranks(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), world_size, per_node, srun_task=True)
 
 
-def job_store(ranks: Ranks, timeout_s: float, option: str = "--dist-timeout") -> dist.TCPStore:
-    """The store the job's process group meets at, where no torchrun agent gathered the processes
-    (srun's tasks, or processes given RANK and WORLD_SIZE by hand): rank 0's, at MASTER_ADDR:
-    MASTER_PORT. Rank 0 waits for every rank as long as `option` says (the others connect,
-    retrying, as long), naming the missing every minute, and checks that every rank counts the
-    same processes; each rank learns its verdict. A SIGTERM meanwhile ends the process at once:
-    no handler is set before training."""
+def job_store(ranks: Ranks, timeout_s: float, option: str = "--dist-timeout") -> dist.Store:
+    """The store the job's process group meets at where torch's env:// would not do: a group that
+    torchrun restarted on its own store; and where no torchrun agent gathered the processes (srun's
+    tasks, or processes given RANK and WORLD_SIZE by hand), rank 0's, at MASTER_ADDR:MASTER_PORT.
+    Rank 0 waits there for every rank as long as `option` says (the others connect, retrying, as
+    long), naming the missing every minute, and checks that every rank counts the same processes;
+    each rank learns its verdict. A SIGTERM meanwhile ends the process at once: no handler is set
+    before training."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     timeout = datetime.timedelta(seconds=timeout_s)
+    if ranks.agent:  # a group torchrun restarted: the agent's store still holds the failed group's addresses, which
+        # torch's env:// would read again (pytorch/pytorch#135712); this attempt's keys go under a prefix of its own.
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"restart-{ranks.restart}", store)
     try:
         store = dist.TCPStore(host, port, ranks.world_size, is_master=ranks.rank == 0, timeout=timeout,
                               wait_for_workers=False)

@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import os
 import pickle
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -91,8 +90,8 @@ def save_checkpoint(checkpoint: dict[str, Any], output_dir: Path, is_best: bool 
     tmp.unlink(missing_ok=True)
     try:
         os.link(output_dir / BEST, tmp)
-    except OSError:  # a file system without hard links
-        shutil.copyfile(output_dir / BEST, tmp)
+    except OSError:  # a file system without hard links: written again, on disk before it is renamed
+        return save_atomic(checkpoint, output_dir / LAST)
     os.replace(tmp, output_dir / LAST)
 
 

@@ -169,7 +169,7 @@ def check_options(args: argparse.Namespace, launcher: str, ranks: Ranks | None =
     parse_device(args.device)  # a malformed --device fails here, before any process starts
     if args.resume or args.weights or args.eval_only or args.drop_missing or args.data_moved or args.check:
         check_run_options(args)
-    if (args.time_budget or args.min_img_size or args.ema or args.device_augment or args.random_erase
+    if (args.time_budget is not None or args.min_img_size or args.ema or args.device_augment or args.random_erase
             or args.crop_scale != CROP_SCALE or args.clip_grad_norm is not None or args.cuda_graph == "on"
             or args.workers or args.bn_recalibrate or args.mixup_alpha or args.cutmix_alpha):
         check_recipe(args)

@@ -40,6 +40,7 @@ class Ranks:
     local_world_size: int
     srun_task: bool = False  # a task srun started: the CPUs SLURM gave it are its own
     agent: bool = False  # torchrun's agent started it: the processes meet at the agent's store
+    restart: int = 0  # torchrun's restarts of the group (--max-restarts) that meet at that same store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,8 @@ def env_ranks(local_rank_arg: int | None = None) -> Ranks | None:
         return None
     local_rank = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
     return Ranks(int(env["RANK"]), local_rank, int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
-                 agent="TORCHELASTIC_RUN_ID" in env)
+                 agent="TORCHELASTIC_RUN_ID" in env, restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+                 if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0)
 
 
 def parse_device(spec: str | None) -> torch.device:

@@ -1,17 +1,20 @@
 """--time-budget: the duration it takes, the epoch count it derives from a timed epoch 1 (the
-clock is replaced in-process, nothing sleeps), and the count a resumed run keeps."""
+epochs' durations are set in-process, nothing sleeps), and the count a resumed run keeps."""
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 
 import pytest
 import torch
 from conftest import FAST, SMALL_MODEL, args_for, call_main, copy_sample, metrics, user_error
 
-import multi_train_utils.train_eval_utils
 import train_single_gpu
-from recipe.budget import EpochTime, budget_message, epochs_that_fit, most_epochs, parse_duration, run_sizes
-from recipe.schedule import build_schedule
+from multi_train_utils.config import parse_duration
+from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.train_eval_utils import learning_rate
+from recipe.budget import EpochTime, budget_message, epochs_that_fit, most_epochs, run_sizes
 
 
 def test_durations():
@@ -60,47 +63,64 @@ def test_without_epochs_the_budget_alone_decides():
     assert run_sizes(ramp, 60).ramp_epochs == 30
 
 
+def build_schedule(args, steps_per_epoch: int, epochs: int | None = None) -> Callable[[int], float]:
+    """The learning rate of each step of a one-process run of `epochs` (the count a budget
+    fixed; else --epochs), peaking at 0.1 (--lr 0.1 for a batch of 256)."""
+    args.lr, args.batch_size = 0.1, 256
+    ctx = DistContext.single()
+    return lambda step: learning_rate(step, steps_per_epoch, epochs or args.epochs, args, ctx)
+
+
 def test_epoch_1_does_not_depend_on_the_count():
     args = args_for("--time-budget", "1h", "--epochs", "30")
     steps = 12
-    schedules = [build_schedule(args, 0.1, steps, epochs) for epochs in (1, 2, 30)]
+    schedules = [build_schedule(args, steps, epochs) for epochs in (1, 2, 30)]
     for step in range(steps):
         assert len({schedule(step) for schedule in schedules}) == 1
     assert schedules[1](2 * steps - 1) < schedules[2](2 * steps - 1)  # the decay follows the count
     # A warm-up shorter than epoch 1 holds the peak to its end: the decay starts with the count.
     short = args_for("--time-budget", "1h", "--warmup-epochs", "0.5", "--lr-decay", "linear", "--lrf", "0")
-    schedules = [build_schedule(short, 0.1, steps, epochs) for epochs in (1, 2, 30)]
+    schedules = [build_schedule(short, steps, epochs) for epochs in (1, 2, 30)]
     for step in range(steps):
         assert len({schedule(step) for schedule in schedules}) == 1
     assert [schedules[2](s) for s in (6, 7, 11, 12)] == [pytest.approx(0.1)] * 4
     assert schedules[1](steps + 6) == pytest.approx(0.05) and schedules[1](2 * steps) == 0
     # Without a budget the same warm-up is half an epoch, and the decay starts right after it.
-    assert build_schedule(args_for("--epochs", "2", "--warmup-epochs", "0.5"), 0.1, steps)(11) < 0.1
+    assert build_schedule(args_for("--epochs", "2", "--warmup-epochs", "0.5"), steps)(11) < 0.1
 
 
 class FakeClock:
-    """Advances `tick` seconds at every reading, `later_tick` after `readings` of them. The run
-    reads it four times an epoch (training's start and end, evaluation's start and end): an
-    epoch takes a tick of training and a tick of evaluation."""
+    """How long each epoch's training, and then its evaluation, reports it took: `tick` seconds
+    each, `later_tick` from epoch `first_epochs + 1` on (the epochs of this process: a resumed
+    run's count from 1)."""
 
-    def __init__(self, tick: float, readings: int = 0, later_tick: float = 0.0):
-        self.now, self.tick, self.readings, self.later_tick = 0.0, tick, readings, later_tick
+    def __init__(self, tick: float, first_epochs: int = 0, later_tick: float = 0.0):
+        self.tick, self.first_epochs, self.later_tick, self.epochs = tick, first_epochs, later_tick, 0
 
-    def __call__(self) -> float:
-        self.readings -= 1
-        self.now += self.tick if self.readings >= 0 or not self.later_tick else self.later_tick
-        return self.now
+    def train_seconds(self) -> float:
+        self.epochs += 1
+        return self.tick if self.epochs <= self.first_epochs or not self.later_tick else self.later_tick
+
+    def eval_seconds(self) -> float:
+        return self.tick if self.epochs <= self.first_epochs or not self.later_tick else self.later_tick
 
 
-def train_in_process(data, out, clock, monkeypatch, *extra: str, epochs: int | None = 10) -> None:
-    monkeypatch.setattr(multi_train_utils.train_eval_utils, "clock", clock)
+def train_in_process(data, out, clock: FakeClock, monkeypatch, *extra: str, epochs: int | None = 10) -> None:
+    """train_single_gpu.py's run, its epochs' training and evaluation really run, their seconds
+    those of `clock` (Trained.seconds and Evaluation.seconds, which the budget counts)."""
+    trains, evaluates = train_single_gpu.train_one_epoch, train_single_gpu.evaluate
+    monkeypatch.setattr(train_single_gpu, "train_one_epoch",
+                        lambda *a, **k: dataclasses.replace(trains(*a, **k), seconds=clock.train_seconds()))
+    monkeypatch.setattr(train_single_gpu, "evaluate",
+                        lambda *a, **k: dataclasses.replace(evaluates(*a, **k), seconds=clock.eval_seconds()))
     call_main(train_single_gpu.main, ["--data-path", str(data), "--output-dir", str(out), *FAST, *SMALL_MODEL,
                                       "--amp", "off", *(["--epochs", str(epochs)] if epochs else []), *extra])
 
 
 @pytest.fixture
 def tiny(tmp_path):
-    return copy_sample(tmp_path / "data", per_class=5)
+    """Three photos a class: an epoch of one training batch of 8 and 5 validation images."""
+    return copy_sample(tmp_path / "data", per_class=3)
 
 
 @pytest.mark.slow
@@ -121,7 +141,7 @@ def test_slow_epochs_end_early_and_a_resumed_run_keeps_the_count(tiny, tmp_path,
     train_in_process(tiny, tmp_path / "a", FakeClock(10), monkeypatch, "--time-budget", "110")
     assert "--time-budget 110 fits 5 epochs, fewer than --epochs 10: training 5" in capsys.readouterr().out
 
-    train_in_process(tiny, tmp_path / "b", FakeClock(10, readings=4, later_tick=20), monkeypatch,
+    train_in_process(tiny, tmp_path / "b", FakeClock(10, first_epochs=1, later_tick=20), monkeypatch,
                      "--time-budget", "110")
     out = capsys.readouterr().out
     assert "ending after epoch 3 of 5" in out
@@ -148,6 +168,6 @@ def test_a_budget_alone_is_not_capped_by_the_default_epochs(tiny, tmp_path, monk
     budget trains."""
     train_in_process(tiny, tmp_path / "run", FakeClock(1), monkeypatch, "--time-budget", "74", epochs=None)
     out = capsys.readouterr().out
-    assert "training: epoch 1 of as many as --time-budget 74 fits (at most 1000; counted after this epoch)" in out
+    assert "training: epoch 1 of 1000, " in out  # at most 1000, the count fixed after epoch 1
     assert "--time-budget 74 fits 35 epochs: training 35" in out
     assert len(metrics(tmp_path / "run")) == 35

@@ -1,18 +1,20 @@
 """--cache: decoded pixels in shared memory, one copy per machine."""
 from __future__ import annotations
 
+import datetime
 import os
+import socket
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import SAMPLE, kill_group, metrics, ok, processes_with_marker, start_job, train_here, wait_for_epochs
 
-from multi_train_utils.distributed_utils import DistContext, init_distributed, teardown
-from multi_train_utils.distributed_utils import Ranks, find_free_port
+from multi_train_utils.distributed_utils import DistContext, Ranks, process_context
 from speed import image_cache
 from speed.device_augment import check_device_room
 from speed.image_cache import SharedImageCache, check_cache_room
@@ -39,10 +41,19 @@ def test_a_cache_that_would_not_fit_is_refused():
         check_cache_room(10**15, SINGLE)  # a petabyte: more than any machine this runs on
 
 
+def find_free_port() -> int:
+    """A port nothing listens on now, on loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _short_of_memory_on_rank_1(rank: int, port: int, out: str, check: str) -> None:
-    """One rank of two, rank 1 on a "machine" with 1 KiB free; writes how the check ended."""
+    """One rank of two, rank 1 on a "machine" with 1 KiB free; writes how the check ended. The
+    process group is made as the spawn launcher makes it."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ctx = init_distributed(Ranks(rank, rank, 2, 2), "cpu", "gloo", 60)
+    ctx = process_context(Ranks(rank, rank, 2, 2), "cpu", "gloo")
+    dist.init_process_group(ctx.backend, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     if rank == 1:
         image_cache.memory_available = lambda: 1024
     try:
@@ -54,7 +65,7 @@ def _short_of_memory_on_rank_1(rank: int, port: int, out: str, check: str) -> No
     except UserError as e:
         outcome = str(e)
     finally:
-        teardown()
+        dist.destroy_process_group()
     Path(out, str(rank)).write_text(outcome)
 
 

@@ -16,8 +16,7 @@ import train_multi_gpu_using_launch
 import train_multi_gpu_using_spawn
 import train_single_gpu
 import utils
-from multi_train_utils.config import get_args_parser
-from recipe.budget import DEFAULT_EPOCHS
+from multi_train_utils.config import DEFAULT_EPOCHS, get_args_parser
 from speed import image_cache
 
 
@@ -42,6 +41,11 @@ def test_aliases_and_defaults():
     args = parse("--num_classes", "5")
     assert args.num_classes == 5
     assert args.data_path == "dataset/flower_photos" and args.val_rate == 0.2 and args.img_size == 224
+    # What a default run leaves out, each an option: the pictures, the report, the scaling
+    # summary, the start-up decoding of every image.
+    assert (args.plots, args.report, args.scaling, args.check_images) == (False, False, False, False)
+    assert parse("--plots").plots and parse("--report").report and parse("--scaling").scaling
+    assert parse("--check-images").check_images and parse("--plots", "--no-plots").plots is False
 
 
 def test_every_launcher_documents_the_same_options(capsys):
@@ -59,7 +63,8 @@ def test_every_launcher_documents_the_same_options(capsys):
         wanted = {"--data-path", "--download", "--val-rate", "--num-classes", "--epochs", "--batch-size",
                   "--lr", "--lrf", "--momentum", "--weight-decay", "--warmup-epochs", "--label-smoothing",
                   "--weights", "--freeze-layers", "--sync-bn", "--img-size", "--workers", "--seed",
-                  "--output-dir", "--resume", "--eval-only", "--backend", "--device", "--num_classes", "--syncBN"}
+                  "--output-dir", "--resume", "--eval-only", "--backend", "--device", "--num_classes", "--syncBN",
+                  "--plots", "--report", "--scaling", "--check-images"}
         assert wanted <= options, (launcher, wanted - options)
         assert "the original scripts' spellings" in text
         assert ("--world-size" in options) == (launcher != "single")
@@ -191,7 +196,8 @@ def test_every_option_has_help_and_a_line_in_the_options_page(launcher):
         assert any(f"`{name}`" in page or f"`{name} " in page for name in names), f"{names[0]} is not in docs/options.md"
     help_text = " ".join(parser.format_help().split())
     for option, default in (("--momentum", "0.9"), ("--label-smoothing", "0.1"), ("--ema-decay", "0.995"),
-                            ("--flip", "random"), ("--plots", "True")):
+                            ("--flip", "random"), ("--plots", "False"), ("--report", "False"),
+                            ("--check-images", "False")):
         after = help_text[help_text.index(f" {option} "):]
         assert f"(default: {default})" in after[:400], option
 

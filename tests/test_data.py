@@ -8,26 +8,30 @@ import resource
 import shutil
 import subprocess
 import sys
+import uuid
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, SAMPLE, args_for, copy_sample, metrics, ok, train_here
+from conftest import (FAST_DEFAULT_WORKERS, REPO, SAMPLE, args_for, copy_sample, metrics, ok,
+                      processes_with_marker, train, train_here)
 from PIL import Image
+from torch.utils.data import DataLoader, DistributedSampler
 from torchvision.transforms import v2
 
 import my_dataset
-import utils
-from multi_train_utils.config import check_and_list_images
-from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.loaders import loaders_of, readable_split
+from multi_train_utils import distributed_utils
+from multi_train_utils.config import list_images_of
+from multi_train_utils.distributed_utils import DistContext, Ranks, ShardSampler, cpus_per_process, loader_options
 from multi_train_utils.train_eval_utils import model_input
 from my_dataset import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    EpochKeys,
     MyDataSet,
     build_transform,
     normalize,
+    train_and_val_sets,
 )
 from utils import UserError, find_unreadable, list_images, load_rgb, split_samples
 
@@ -172,20 +176,46 @@ def test_num_classes_mismatch_and_single_class(tmp_path):
         list_images(str(tmp_path))
 
 
-@pytest.mark.slow
-def test_training_on_a_folder_of_odd_and_broken_images(tmp_path):
-    data = copy_sample(tmp_path / "data", classes=["daisy", "roses"], per_class=6)
+def odd_and_broken_folder(data) -> tuple[dict[str, str], list[str]]:
+    """Two classes of six photos, the odd kinds of image added to one, broken files to the other."""
+    copy_sample(data, classes=["daisy", "roses"], per_class=6)
     odd = write_odd_images(data / "daisy")
     broken = write_broken_files(data / "roses")
     shutil.copy(A_JPEG, data / "roses" / ".hidden.jpg")
     (data / "roses" / "notes.txt").write_text("ignored")
-    out = tmp_path / "run"
-    result = ok(train_here(out, "--epochs", "1", data=data))
+    return odd, broken
+
+
+@pytest.mark.slow
+def test_training_with_check_images_leaves_out_the_broken_files(tmp_path):
+    """--check-images decodes every image at start-up and trains on the odd ones, without the
+    broken ones, each named."""
+    odd, broken = odd_and_broken_folder(tmp_path / "data")
+    data, out = tmp_path / "data", tmp_path / "run"
+    result = ok(train_here(out, "--epochs", "1", "--check-images", data=data))
     for name in broken:
-        assert f"leaving out {data / 'roses' / name}" in result.stdout
+        assert f"warning: leaving out {data / 'roses' / name}: " in result.stdout
     record = metrics(out)[0]
     assert record["train_total"] + record["val_total"] == 12 + len(odd)
 
+
+@pytest.mark.slow
+def test_a_file_that_does_not_decode_stops_a_run_without_check_images(tmp_path):
+    """By default no image is decoded at start-up: the first broken file the loader draws ends the
+    run, exit 1, with the file named and --check-images suggested; the loader workers (default
+    count) end with it, nothing is left running, and no epoch was recorded."""
+    _, broken = odd_and_broken_folder(tmp_path / "data")
+    data, out, marker = tmp_path / "data", tmp_path / "run", uuid.uuid4().hex
+    result = train("single", out, "--epochs", "1", data=data, fast=FAST_DEFAULT_WORKERS,
+                   env={"TEST_JOB_MARKER": marker}, timeout=60)  # it fails at its first batches, in seconds
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "warning: leaving out" not in result.stdout
+    named = [name for name in broken if f"cannot decode {data / 'roses' / name}: " in result.stderr]
+    assert len(named) == 1, result.stderr[-3000:]
+    assert "(--check-images leaves out the files that do not decode)" in result.stderr
+    assert "DataLoader worker" in result.stderr  # raised in a worker, handed over to the training process
+    assert not processes_with_marker(marker)
+    assert not (out / "metrics.jsonl").exists() and not (out / "last.pth").exists()
 
 
 def test_pixels_stay_uint8_until_the_device_normalises_the_batch():
@@ -196,26 +226,49 @@ def test_pixels_stay_uint8_until_the_device_normalises_the_batch():
     pixels = torch.stack([dataset[(1, i)][0] for i in range(len(dataset))])
     assert pixels.dtype == torch.uint8 and pixels.shape == (len(dataset), 3, 64, 64)
     expected = v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)(v2.ToDtype(torch.float32, scale=True)(pixels))
-    for layout in (torch.contiguous_format, torch.channels_last):
-        batch = model_input(pixels, torch.device("cpu"), layout)
+    for channels_last, layout in ((False, torch.contiguous_format), (True, torch.channels_last)):  # --channels-last
+        batch = model_input(pixels, torch.device("cpu"), channels_last)
         assert batch.dtype == torch.float32 and batch.is_contiguous(memory_format=layout)
         torch.testing.assert_close(batch, expected, rtol=0, atol=1e-5)
     torch.testing.assert_close(normalize(pixels), expected, rtol=0, atol=1e-5)
     already = torch.randn(2, 3, 8, 8, dtype=torch.float64)  # synthetic input: taken as it is
-    assert model_input(already, torch.device("cpu"), torch.contiguous_format) is already
+    assert model_input(already, torch.device("cpu"), channels_last=False) is already
 
 
-@pytest.mark.parametrize("device, cores, local_processes, expected", [
-    ("cuda", 16, 1, 15),  # a GPU takes every spare core: it trains faster than 8 cores decode
-    ("cuda", 64, 8, 7),
-    ("cpu", 16, 1, 8),  # the CPU step uses every core itself; a few workers keep ahead
-    ("cpu", 2, 1, 1),
-    ("cpu", 2, 2, 1),
+@pytest.mark.parametrize("device, cores, local_processes, slurm_cpus, expected", [
+    ("cuda", 16, 1, None, 15),  # a GPU takes every spare core: it trains faster than 8 cores decode
+    ("cuda", 64, 8, None, 7),
+    ("cpu", 16, 1, None, 8),  # the CPU step uses every core itself; a few workers keep ahead
+    ("cpu", 2, 1, None, 1),
+    ("cpu", 2, 2, None, 1),
+    ("cuda", 64, 4, "6", 5),  # an srun task: the CPUs SLURM gave it (--cpus-per-task), not its share of the node
 ])
-def test_default_loader_workers(monkeypatch, device, cores, local_processes, expected):
-    monkeypatch.setattr(utils, "cpu_count", lambda: cores)  # a machine of `cores` CPUs, this process bound to none
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
-    assert my_dataset.default_workers(torch.device(device), local_processes) == expected
+def test_default_loader_workers(monkeypatch, device, cores, local_processes, slurm_cpus, expected):
+    """A process's CPUs (its share of the machine's, or its srun task's), less one for itself."""
+    monkeypatch.setattr(distributed_utils, "cpu_count", lambda: cores)  # a machine of `cores` CPUs
+    if slurm_cpus:
+        monkeypatch.setenv("SLURM_CPUS_PER_TASK", slurm_cpus)
+    else:
+        monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    cpus = cpus_per_process(Ranks(0, 0, local_processes, local_processes, srun_task=slurm_cpus is not None))
+    assert my_dataset.default_workers(torch.device(device), cpus) == expected
+    if device == "cpu":  # what the launchers' DataLoaders get
+        ctx = DistContext(0, 0, local_processes, local_processes, torch.device("cpu"), distributed=False, cpus=cpus)
+        assert loader_options(args_for(), ctx)["num_workers"] == expected
+
+
+def launcher_loaders(args, ctx: DistContext) -> tuple[DataLoader, DataLoader, DistributedSampler]:
+    """The training and validation loaders of the sample, built by the launchers' lines."""
+    plan = list_images_of(args, "single", verbose=False)
+    split = split_samples(plan.samples, plan.class_names, args.val_rate, args.seed, plan.val_files)
+    train_set, val_set = train_and_val_sets(split, args)
+    train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                                       seed=args.seed)
+    options = loader_options(args, ctx)
+    train_loader = DataLoader(train_set, sampler=EpochKeys(train_sampler), **options,
+                              drop_last=len(train_sampler) > args.batch_size)
+    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), ctx), **options)
+    return train_loader, val_loader, train_sampler
 
 
 @pytest.mark.slow
@@ -224,9 +277,8 @@ def test_batches_from_workers_are_the_batches_loaded_in_turn():
     loaded, epoch after epoch, a resumed epoch's rest (its first two batches skipped) and the
     validation passes between them included."""
     def passes(workers: str) -> list[list[torch.Tensor]]:
-        plan = check_and_list_images(args_for("--workers", workers, "--batch-size", "16", "--img-size", "32"), "test", verbose=False)
-        ctx = DistContext.single()
-        train_loader, val_loader, train_sampler = loaders_of(readable_split(plan, ctx), plan, ctx)
+        args = args_for("--workers", workers, "--batch-size", "16", "--img-size", "32")
+        train_loader, val_loader, train_sampler = launcher_loaders(args, DistContext.single())
         train_loader.sampler.skip_next_pass(32)  # epoch 1 resumed after two batches, as restore_training does
         seen = []
         for epoch in (1, 2, 3):

@@ -3,21 +3,24 @@ whole batch at once, by the same draws as the loader's transform. Run on the CPU
 code is the same on a GPU."""
 from __future__ import annotations
 
+import datetime
 import os
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import args_for
+from torch.utils.data import DataLoader, DistributedSampler
 from torchvision.transforms.v2 import functional as TF
 
-from multi_train_utils.config import check_and_list_images
-from multi_train_utils.distributed_utils import DistContext, init_distributed, teardown
-from multi_train_utils.loaders import loaders_of, readable_split
-from my_dataset import CropDraws, DeviceCrops, MyDataSet, normalize, train_transforms
-from multi_train_utils.distributed_utils import Ranks, find_free_port
+from multi_train_utils.config import list_images_of
+from multi_train_utils.distributed_utils import DistContext, Ranks, ShardSampler, loader_options, process_context
+from my_dataset import CropDraws, DeviceCrops, EpochKeys, MyDataSet, normalize, train_and_val_sets, train_transforms
+from recipe import extras
 from speed.device_augment import DeviceAugmentedLoader, check_device_room
-from utils import UserError
+from utils import UserError, split_samples
 
 SINGLE = DistContext.single()
 LEVEL = 1 / (255 * 0.229)  # one grey level of the red channel (the smallest std) after normalisation
@@ -46,10 +49,34 @@ def test_a_crop_is_torchvisions_resized_crop_and_flip(box, flip, size):
     assert (cut - normalize(expected[None].clone())[0]).abs().max() < 1.5 * LEVEL
 
 
+def find_free_port() -> int:
+    """A port nothing listens on now, on loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_loaders(args, ctx: DistContext):
+    """The sample's split, and its training and validation loaders and sampler, built by the
+    launchers' lines (--cache and --device-augment included)."""
+    plan = list_images_of(args, "single", verbose=False)
+    split = split_samples(plan.samples, plan.class_names, args.val_rate, args.seed, plan.val_files)
+    train_set, val_set = train_and_val_sets(split, args)
+    if args.cache or args.device_augment:
+        train_set, val_set = extras.decoded_once(split, train_set, val_set, args, ctx)
+    sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
+    options = loader_options(args, ctx)
+    train_loader = DataLoader(train_set, sampler=EpochKeys(sampler), **options,
+                              drop_last=len(sampler) > args.batch_size)
+    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), ctx), **options)
+    if args.device_augment:
+        train_loader, val_loader = extras.device_loaders(train_loader, val_loader, args, ctx)
+    return plan, split, train_loader, val_loader, sampler
+
+
 def loaders(*argv: str):
-    plan = check_and_list_images(args_for("--workers", "0", "--batch-size", "8", *argv), "test", verbose=False)
-    split = readable_split(plan, SINGLE)
-    return plan, split, *loaders_of(split, plan, SINGLE)  # the training and validation loaders, the sampler
+    """One process's: the plan, the split, the training and validation loaders, the sampler."""
+    return launcher_loaders(args_for("--workers", "0", "--batch-size", "8", *argv), SINGLE)
 
 
 @pytest.mark.parametrize("crop_scale", ["0.08", "0.35"])
@@ -94,17 +121,18 @@ def test_pixels_that_would_not_fit_are_refused():
 
 
 def _rank(rank: int, port: int, out: str) -> None:
+    """One rank of two, in a process group made as the spawn launcher makes it."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ctx = init_distributed(Ranks(rank, rank, 2, 2), "cpu", "gloo", 120)
+    ctx = process_context(Ranks(rank, rank, 2, 2), "cpu", "gloo")
+    dist.init_process_group(ctx.backend, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     try:
-        plan = check_and_list_images(args_for("--workers", "0", "--batch-size", "8", "--img-size", "32", "--device-augment"), "t",
-                       verbose=False)
-        loader, _, sampler = loaders_of(readable_split(plan, ctx), plan, ctx)
+        args = args_for("--workers", "0", "--batch-size", "8", "--img-size", "32", "--device-augment")
+        _, _, loader, _, sampler = launcher_loaders(args, ctx)
         sampler.set_epoch(1)
         cuts = {row[0]: image for draws, _ in loader.draws for row, image in zip(draws.tolist(), loader.crops(draws, 32))}
         torch.save({"pixels": loader.crops.pixels, "cuts": cuts}, f"{out}/{rank}.pt")
     finally:
-        teardown()
+        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -21,18 +21,17 @@ from PIL import Image
 from torch.nn.parallel import DistributedDataParallel
 import torch.distributed as dist
 from test_collective_trace import contradictions, read_list
+from test_device_augment import launcher_loaders
 from conftest import SAMPLE, call_main, kill_group, launcher_cmd, metrics, ok, run_cli, start, train, wait_for_epochs
 
 import predict
 from model import create_model
 from multi_train_utils.checkpoint import load_checkpoint
-from multi_train_utils.config import get_args_parser, check_and_list_images
-from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.loaders import loaders_of, readable_split
-from multi_train_utils.progress import Progress
-from multi_train_utils.train_eval_utils import build_optimizer, place_model, train_one_epoch
+from multi_train_utils.config import get_args_parser
+from multi_train_utils.distributed_utils import DistContext, autocast_dtype, job_precision
+from multi_train_utils.train_eval_utils import Progress, build_optimizer, model_input, train_one_epoch
 from my_dataset import DeviceCrops, decode
-from speed.cuda_graph import graphed_step
+from recipe import extras
 from speed.gpu_decode import DeviceBatches, decode_on_gpu
 from utils import list_images
 
@@ -43,19 +42,28 @@ ON_GPU = ["--device", "cuda", "--img-size", "64", "--batch-size", "16", "--worke
 CUDA = torch.device("cuda", 0)
 
 
+def placed(module: torch.nn.Module, args) -> torch.dtype | None:
+    """`module` on the GPU in the layout --channels-last asks, and the job's precision, as the launchers do."""
+    module.to(CUDA, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    return job_precision(args.amp, DistContext.single(CUDA))
+
+
 @pytest.fixture(scope="module")
 def gpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu") / "run"
-    result = ok(train("single", out, "--epochs", "2", *ON_GPU))
+    result = ok(train("single", out, "--epochs", "2", "--report", *ON_GPU))
     return out, result.stdout
 
 
 def test_single_process_trains_with_bf16_and_channels_last(gpu_run):
     out, stdout = gpu_run
     expected = "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
-    assert f"precision: {expected} autocast, memory format: channels_last" in stdout
+    assert f"precision: {expected} autocast\n" in stdout
+    # The weights trained (and saved) in channels_last: a 4-D weight's strides say so.
+    saved = load_checkpoint(out / "last.pth")["model"]["conv1.weight"]
+    assert saved.is_contiguous(memory_format=torch.channels_last) and not saved.is_contiguous()
     assert [r["epoch"] for r in metrics(out)] == [1, 2]
-    assert (out / "report.json").is_file()
+    assert (out / "report.json").is_file() and "report on " in stdout
 
 
 @pytest.mark.parametrize("launcher", ["launch", "spawn"])
@@ -67,17 +75,18 @@ def test_the_ddp_launchers_train_on_one_gpu(launcher, tmp_path):
 
 def test_batches_travel_pinned_as_uint8_and_become_float_on_the_gpu():
     args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *ON_GPU])
-    plan = check_and_list_images(args, "test", verbose=False)
     ctx = DistContext.single(CUDA)
-    train_loader, _, sampler = loaders_of(readable_split(plan, ctx), plan, ctx)
+    _, _, train_loader, _, sampler = launcher_loaders(args, ctx)
     sampler.set_epoch(1)
     images, labels = next(iter(train_loader))
     assert images.dtype == torch.uint8 and images.is_pinned()
-    placed = place_model(create_model(5), args, CUDA)
-    batch = placed.input(images)
+    batch = model_input(images, CUDA, args.channels_last)
     assert batch.device.type == "cuda" and batch.dtype == torch.float32
     assert batch.is_contiguous(memory_format=torch.channels_last)
+    torch.backends.cudnn.benchmark = False
+    extras.prepare_gpu(args, ctx)  # as the launchers call it on a GPU
     assert torch.backends.cudnn.benchmark
+    torch.cuda.set_stream(torch.cuda.default_stream(CUDA))  # the side stream a graphed step would be captured on
 
 
 def test_sync_bn_becomes_torch_syncbatchnorm_and_trains():
@@ -86,15 +95,15 @@ def test_sync_bn_becomes_torch_syncbatchnorm_and_trains():
         args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *ON_GPU, "--sync-bn", "--epochs", "1"])
         ctx = DistContext(0, 0, 1, 1, CUDA, distributed=True)
         module = create_model(5)
-        place_model(module, args, CUDA)
+        amp_dtype = placed(module, args)
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)  # as the launchers convert it
         model = DistributedDataParallel(module, device_ids=[CUDA.index])
-        optimizer, scaler, _ = build_optimizer(module, args, CUDA)
+        optimizer, scaler = build_optimizer(module, args, amp_dtype)
         assert any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules())
         batch = (torch.randint(0, 256, (16, 3, 64, 64), dtype=torch.uint8), torch.randint(0, 5, (16,)))
         result = train_one_epoch(model, torch.nn.CrossEntropyLoss(), optimizer, scaler, [batch, batch], 1, Progress(),
-                                 args, ctx)
-        assert torch.isfinite(torch.tensor(result["train_loss"]))
+                                 amp_dtype, args, ctx)
+        assert torch.isfinite(torch.tensor(result.train_loss))
     finally:
         dist.destroy_process_group()
 
@@ -104,11 +113,10 @@ def test_device_augment_cuts_on_the_gpu_what_it_cuts_on_the_cpu(tmp_path):
     Pillow: the squares land within a few grey levels, the frames are the same. Given the same pixels and draws, the GPU's crops
     are the CPU's (bilinear sampling in fp32 on either); and a run with them trains."""
     args = get_args_parser("test").parse_args(["--data-path", str(SAMPLE), *ON_GPU, "--device-augment"])
-    plan = check_and_list_images(args, "test", verbose=False)
     loaders = {}
     for device in (CUDA, torch.device("cpu")):
         ctx = DistContext.single(device)
-        loader, val_loader, sampler = loaders_of(readable_split(plan, ctx), plan, ctx)
+        _, _, loader, val_loader, sampler = launcher_loaders(args, ctx)
         sampler.set_epoch(1)
         loaders[device.type] = loader, val_loader
     gpu, cpu = loaders["cuda"][0], loaders["cpu"][0]
@@ -173,17 +181,18 @@ def step_losses(choice: str, amp: str, ddp_options: dict | None) -> list[float]:
     torch.cuda.set_stream(torch.cuda.default_stream(CUDA))
     torch.manual_seed(0)
     module = create_model(5)
-    place_model(module, args, CUDA)
+    module.to(CUDA, memory_format=torch.channels_last)
+    amp_dtype = autocast_dtype(amp, CUDA)
+    ctx = DistContext.single(CUDA) if ddp_options is None else DistContext(0, 0, 1, 1, CUDA, distributed=True)
+    extras.prepare_gpu(args, ctx)  # as the launchers do, before the DDP wrap: the side stream a graph is captured on
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
-    model, ctx = module, DistContext.single(CUDA)
-    if ddp_options is not None:
-        model = DistributedDataParallel(module, device_ids=[0], **ddp_options)
-        ctx = DistContext(0, 0, 1, 1, CUDA, distributed=True)
-    optimizer, scaler, _ = build_optimizer(module, args, CUDA)
+    model = module if ddp_options is None else DistributedDataParallel(module, device_ids=[0], **ddp_options)
+    optimizer, scaler = build_optimizer(module, args, amp_dtype)
+    extra = extras.training_extras(model, module, optimizer, None, args, ctx)  # the graphed step, where wanted
     losses = [train_one_epoch(model, torch.nn.CrossEntropyLoss(), optimizer, scaler, [batch], epoch,
-                              Progress(last_epoch=20), args, ctx)["train_loss"]
+                              Progress(last_epoch=20), amp_dtype, args, ctx, extra).train_loss
               for epoch, batch in enumerate(batches, start=1)]
-    step = graphed_step(optimizer, model, args, CUDA)
+    step = extra.graph
     assert (step is not None and step.graph is not None) == (choice == "on")  # "on" did replay
     torch.cuda.synchronize()
     torch.cuda.set_stream(torch.cuda.default_stream(CUDA))
@@ -246,9 +255,9 @@ def test_evaluation_on_the_gpu_agrees_with_the_cpu(gpu_run, tmp_path):
 
 
 def test_a_checkpoint_moves_from_gpu_to_cpu_and_back(gpu_run, tmp_path):
-    """An epoch's checkpoint (its momentum in NCHW: the background writer's pinned copies are
-    contiguous) resumes on the GPU, whose channels_last step refused it until the resume laid the
-    buffers out as the parameters; then on the CPU, then on the GPU again."""
+    """An epoch's checkpoint resumes on the GPU, then on the CPU, then on the GPU again: the
+    resume lays the momentum buffers out as this run's parameters, whatever layout the file
+    holds (CUDA's fused channels_last step refuses buffers laid out otherwise)."""
     out, _ = gpu_run
     run = tmp_path / "run"
     shutil.copytree(out, run)

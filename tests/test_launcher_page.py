@@ -119,7 +119,7 @@ def test_a_step_moved_away_is_caught(tmp_path):
         copy.parent.mkdir(parents=True, exist_ok=True)
         copy.write_text((REPO / file).read_text())
     checkpoint = (tmp_path / CHECKPOINT).read_text()
-    assert checkpoint.count("save_atomic(checkpoint, ") == 2
+    assert checkpoint.count("save_atomic(checkpoint, ") == 3
     (tmp_path / CHECKPOINT).write_text(checkpoint.replace("save_atomic(checkpoint, ", "write_atomically(checkpoint, "))
     launcher = (tmp_path / LAUNCHER).read_text()
     assert "train_sampler.set_epoch(epoch)" in launcher

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SAMPLE, SMALL_MODEL, call_main, check_png, ok, run_cli, train
+from conftest import FAST, SAMPLE, SMALL_MODEL, call_main, check_png, ok, run_cli, train
 
 import plots
+from outputs.report import draw_plots
 from utils import list_images, split_samples
 
 RUN_PLOTS = ("curves.png", "class_distribution.png", "augmented_samples.png")
@@ -19,11 +20,17 @@ REPORT_PLOTS = ("confusion_matrix.png", "mistakes.png")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A two-epoch single-process run and a one-epoch run with another seed."""
+    """A two-epoch single-process run with --plots and --report, which draws its pictures and its
+    report at its end; and a one-epoch run with another seed and the default options, which
+    draws neither."""
     root = tmp_path_factory.mktemp("runs")
-    ok(train("single", root / "two_epochs", *SMALL_MODEL, "--epochs", "2", "--plots"))
-    ok(train("single", root / "seed_1", *SMALL_MODEL, "--epochs", "1", "--seed", "1", "--plots"))
-    return root / "two_epochs", root / "seed_1"
+    drawn, plain = root / "two_epochs", root / "seed_1"
+    ok(train("single", drawn, *SMALL_MODEL, "--epochs", "2", "--plots", "--report"))
+    ok(train("single", plain, *SMALL_MODEL, "--epochs", "1", "--seed", "1",
+             fast=[arg for arg in FAST if arg != "--no-plots"]))
+    assert all((drawn / name).is_file() for name in (*RUN_PLOTS, *REPORT_PLOTS, "report.json", "confusion_matrix.csv"))
+    assert not list(plain.glob("*.png")) and not (plain / "report.json").exists()
+    return drawn, plain
 
 
 @pytest.mark.slow
@@ -43,29 +50,38 @@ def test_overlay_of_two_runs(runs, tmp_path, capsys):
     call_main(plots.main, [str(runs[0]), str(runs[1]), "--out", str(tmp_path / "out")])
     assert f"wrote {tmp_path / 'out' / 'compare.png'}" in capsys.readouterr().out
     check_png(tmp_path / "out" / "compare.png", min_width=800)
-    assert all((run_dir / name).is_file() for run_dir in runs for name in RUN_PLOTS + REPORT_PLOTS)
+    # Each run's own pictures, in its folder: the report's where the run has one (--report).
+    assert sorted(p.name for p in runs[0].glob("*.png")) == sorted(RUN_PLOTS + REPORT_PLOTS)
+    assert sorted(p.name for p in runs[1].glob("*.png")) == sorted(RUN_PLOTS)
 
 
 @pytest.mark.slow
 def test_one_run_into_another_folder(runs, tmp_path):
-    call_main(plots.main, [str(runs[1]), "--out", str(tmp_path / "elsewhere")])
+    call_main(plots.main, [str(runs[0]), "--out", str(tmp_path / "elsewhere")])
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == sorted(RUN_PLOTS + REPORT_PLOTS)
+    call_main(plots.main, [str(runs[1]), "--out", str(tmp_path / "no_report")])  # a run without --report
+    assert sorted(p.name for p in (tmp_path / "no_report").iterdir()) == sorted(RUN_PLOTS)
 
 
 @pytest.mark.slow
-def test_the_call_training_makes_is_deterministic(runs, tmp_path):
-    """save_run_plots(output_dir, split, img_size, seed) as rank 0 calls it: the augmented
-    samples are keyed by (epoch, index), so drawing twice gives the same pixels."""
+def test_the_call_training_makes_is_deterministic(runs, tmp_path, capsys):
+    """draw_plots(output_dir), as rank 0 calls it at the end of a run with --plots: the augmented
+    samples are keyed by (epoch, index), so drawing again from the run's files gives the pixels
+    the run drew; so does save_run_plots given the split, size and seed."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    shutil.copy(runs[0] / "metrics.jsonl", run_dir)
+    for name in ("metrics.jsonl", "split.json", "config.json", "report.json"):
+        shutil.copy(runs[0] / name, run_dir)
+    draw_plots(run_dir)
+    assert sorted(p.name for p in run_dir.glob("*.png")) == sorted(RUN_PLOTS + REPORT_PLOTS)
+    assert capsys.readouterr().err == ""  # nothing failed
+    pixels = check_png(run_dir / "augmented_samples.png")
+    assert np.array_equal(pixels, check_png(runs[0] / "augmented_samples.png"))
     class_names, samples = list_images(str(SAMPLE))
     split = split_samples(samples, class_names, 0.2, 0)
     messages: list[str] = []
-    first = plots.save_run_plots(run_dir, split, 32, 0, log=messages.append)
-    pixels = check_png(run_dir / "augmented_samples.png")
-    second = plots.save_run_plots(run_dir, split, 32, 0, log=messages.append)
-    assert first == second == [run_dir / name for name in RUN_PLOTS] and messages == []
+    again = plots.save_run_plots(run_dir, split, 32, 0, log=messages.append)
+    assert again == [run_dir / name for name in RUN_PLOTS + REPORT_PLOTS] and messages == []
     assert np.array_equal(pixels, check_png(run_dir / "augmented_samples.png"))
 
 

@@ -2,7 +2,6 @@
 batch mixing, gradient clipping, progressive resizing, the evaluation size and mirror averaging."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -12,26 +11,30 @@ import torch.distributed as dist
 import torchvision
 from conftest import FAST, SAMPLE, args_for, metrics, ok, sample_batch, train, train_here, user_error
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
 import predict
 import train_single_gpu
 from model import BlurConv2d, batch_norm_statistics, classifier, create_model, freeze_backbone
 from multi_train_utils.checkpoint import load_checkpoint, model_from_checkpoint
-from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.progress import Progress
+from multi_train_utils.distributed_utils import DistContext, ShardSampler, job_precision
 from multi_train_utils.train_eval_utils import (
-    PlacedModel,
+    Progress,
     build_optimizer,
-    place_model,
+    evaluate,
+    global_batch,
+    learning_rate,
+    model_input,
     train_one_epoch,
 )
-from my_dataset import Augmentation, CropDraws, MyDataSet, SizeSchedule, build_transform, eval_img_size, train_transforms
+from my_dataset import (Augmentation, CropDraws, MyDataSet, SizeSchedule, build_transform, eval_img_size,
+                        train_and_val_sets, train_transforms)
+from outputs.report import predictions
 from recipe.ema import WeightAverage
 from recipe.mixing import build_mix
 from recipe.recalibrate import BatchNormRecalibration
-from recipe.schedule import build_schedule, global_batch, peak_lr
-from utils import UserError, list_images
+from utils import DataSplit, UserError, list_images
 
 CPU = torch.device("cpu")
 
@@ -46,8 +49,9 @@ CPU = torch.device("cpu")
     (["--random-erase", "1.5"], "--random-erase is a probability"),
     (["--crop-scale", "0"], "--crop-scale is a share of the picture's area"),
     (["--crop-scale", "1.5"], "--crop-scale is a share of the picture's area"),
-    (["--mixup-alpha", "-1"], "--mixup-alpha and --cutmix-alpha cannot be negative"),
-    (["--ema-decay", "1"], "--ema-decay must be between 0 and 1"),
+    (["--mixup-alpha", "-1"], "--mixup-alpha cannot be negative"),
+    (["--cutmix-alpha", "-0.5"], "--cutmix-alpha cannot be negative"),
+    (["--ema", "--ema-decay", "1"], "--ema-decay must be between 0 and 1"),
     (["--clip-grad-norm", "0"], "--clip-grad-norm must be positive"),
     (["--device-augment", "--auto-augment", "ra"], "--device-augment crops and flips on the device"),
     (["--model", "mobilenet_v3_small", "--zero-init-residual"], "--zero-init-residual is for torchvision's ResNets"),
@@ -123,14 +127,26 @@ def test_the_weight_average_follows_its_warmed_up_decay():
 
 
 def test_mirror_averaging_is_the_mean_of_both_logits():
+    """--tta: the report's logits, and the loss evaluate() counts, are those of the mean logits
+    of each validation image and its mirror."""
     torch.manual_seed(0)
     model = create_model(5).eval()
-    images, _ = sample_batch(2)
-    placed = PlacedModel(model, CPU, tta=True)
+    _, samples = list_images(str(SAMPLE))
+    ctx = DistContext.single()
+    dataset = MyDataSet(samples[::40], build_transform(32, train=False), 32)
+    loader = DataLoader(dataset, batch_size=len(dataset), sampler=ShardSampler(len(dataset), ctx))
+    images, labels = next(iter(loader))
     with torch.no_grad():
-        x = placed.input(images)
-        assert torch.allclose(placed.eval_logits(images), (model(x) + model(x.flip(3))) / 2)
-        assert not torch.allclose(dataclasses.replace(placed, tta=False).eval_logits(images), placed.eval_logits(images))
+        x = model_input(images, CPU)
+        mean = (model(x) + model(x.flip(3))) / 2
+        [(mirrored, _, indices)] = list(predictions(model, loader, args_for("--tta"), ctx))
+        [(plain, _, _)] = list(predictions(model, loader, args_for(), ctx))
+    assert indices == list(range(len(dataset)))
+    torch.testing.assert_close(mirrored, mean)
+    assert not torch.allclose(plain, mirrored)
+    loss = torch.nn.functional.cross_entropy(mean, labels).item()
+    assert evaluate(model, loader, args_for("--tta"), ctx).val["val_loss"] == pytest.approx(loss, rel=1e-5)
+    assert evaluate(model, loader, args_for(), ctx).val["val_loss"] != pytest.approx(loss, rel=1e-5)
 
 
 def test_any_torchvision_model_by_name_with_its_head_from_the_folders():
@@ -182,7 +198,8 @@ def test_a_run_with_another_model_an_average_and_mirror_evaluation(tmp_path, cap
     that model; resuming it as another model is refused."""
     out = tmp_path / "run"
     recipe = ["--model", "resnet18", "--blurpool", "--ema", "--ema-decay", "0.9", "--tta", "--val-img-size", "40"]
-    result = ok(train_here(out, "--epochs", "2", "--seed", "3", *recipe))  # --eval-only: the seed of split.json
+    # --report: best.pth's weights evaluated again at the end, named. --eval-only: the seed of split.json.
+    result = ok(train_here(out, "--epochs", "2", "--seed", "3", "--report", *recipe))
     ckpt = load_checkpoint(out / "best.pth")
     assert ckpt["args"]["model"] == "resnet18" and ckpt["better"] in ("model", "ema")
     assert not torch.equal(ckpt["ema"]["conv1.weight"], ckpt["model"]["conv1.weight"])
@@ -190,7 +207,10 @@ def test_a_run_with_another_model_an_average_and_mirror_evaluation(tmp_path, cap
     best = max(records, key=lambda r: max(r["val_acc"], r["ema_val_acc"]))
     assert ckpt["epoch"] == best["epoch"]
     assert ckpt["better"] == ("ema" if best["ema_val_acc"] > best["val_acc"] else "model")
-    assert f"(epoch {ckpt['epoch']}{' weight average' if ckpt['better'] == 'ema' else ''})" in result.stdout
+    assert f"report on {out / 'best.pth'} (epoch {ckpt['epoch']}" \
+           f"{' weight average' if ckpt['better'] == 'ema' else ''}): 25 images" in result.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["accuracy"] == max(best["val_acc"], best["ema_val_acc"])  # the shipped weights' evaluation again
     rebuilt = model_from_checkpoint(ckpt)
     assert sum(p.numel() for p in rebuilt.parameters()) < 12_000_000  # resnet18, not 34
     assert isinstance(rebuilt.layer2[0].conv1, BlurConv2d)
@@ -216,16 +236,22 @@ def one_step(argv: list[str], batches: list, ctx: DistContext = DistContext.sing
     model = create_model(5)
     if args.freeze_layers:
         freeze_backbone(model)
-    place_model(model, args, CPU)
-    optimizer, scaler, _ = build_optimizer(model, args, CPU)
+    amp_dtype = placed(model, args)
+    optimizer, scaler = build_optimizer(model, args, amp_dtype)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    train_one_epoch(model, criterion, optimizer, scaler, batches, 1, Progress(), args, ctx)
+    train_one_epoch(model, criterion, optimizer, scaler, batches, 1, Progress(), amp_dtype, args, ctx)
     return model, args
+
+
+def placed(model: torch.nn.Module, args) -> torch.dtype | None:
+    """`model` on the CPU in the layout --channels-last asks, and the precision, as the launchers do."""
+    model.to(CPU, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    return job_precision(args.amp, DistContext.single())
 
 
 def first_lr(args, ctx: DistContext = DistContext.single()) -> float:
     """The learning rate of a run's first step (an epoch of one step)."""
-    return build_schedule(args, peak_lr(args, ctx), 1)(0)
+    return learning_rate(0, 1, Progress().last_epoch, args, ctx)
 
 
 def test_accumulating_two_batches_of_4_is_one_batch_of_8():
@@ -255,8 +281,8 @@ def test_accumulation_all_reduces_once_per_optimizer_step():
         for k in (1, 2):
             args = args_for("--amp", "off", "--batch-size", "2", "--accum-steps", str(k))
             model = create_model(5)
-            place_model(model, args, CPU)
-            optimizer, scaler, _ = build_optimizer(model, args, CPU)
+            amp_dtype = placed(model, args)
+            optimizer, scaler = build_optimizer(model, args, amp_dtype)
             ddp = DistributedDataParallel(model)
             calls = []
 
@@ -267,7 +293,8 @@ def test_accumulation_all_reduces_once_per_optimizer_step():
             ddp.register_comm_hook(None, hook)
             images, labels = sample_batch(8)
             train_one_epoch(ddp, torch.nn.CrossEntropyLoss(), optimizer, scaler,
-                            [(images[i:i + 2], labels[i:i + 2]) for i in range(0, 8, 2)], 1, Progress(), args, ctx)
+                            [(images[i:i + 2], labels[i:i + 2]) for i in range(0, 8, 2)], 1, Progress(), amp_dtype,
+                            args, ctx)
             counts[k] = calls.count(0)  # bucket 0 is all-reduced once per synchronised backward
         assert counts == {1: 4, 2: 2}
     finally:
@@ -298,8 +325,11 @@ def test_alternating_flip_mirrors_each_image_in_every_other_epoch():
     assert not torch.equal(flips[0], torch.tensor([CropDraws(samples, frames, seed=4, flip="alternate")[(1, i)][0][5]
                                                    for i in range(len(frames))]))  # the seed's coins
     cache = OnePicture()
-    loader_set = MyDataSet(samples[:20], train_transforms({"img_size": 32, "crop_scale": 1.0, "flip": "alternate"}),
-                           32, seed=3, cache=cache)
+    # The training set as the launchers build it for --flip alternate, its pictures all the one above.
+    loader_set, _ = train_and_val_sets(DataSplit(["a"], samples[:20], samples[:1]),
+                                       args_for("--img-size", "32", "--crop-scale", "1", "--flip", "alternate",
+                                                "--seed", "3"))
+    loader_set.cache = cache
     for epoch in (1, 2, 3):
         for i in range(20):
             image = loader_set[(epoch, i)][0]  # the whole square: a crop of all its area and ratio 1
@@ -313,21 +343,22 @@ def test_recalibration_recomputes_batchnorm_statistics_on_a_copy():
     over the given batches (here the first one's, checked directly); the trained model keeps
     its own statistics, and recalibrating twice gives the same ones."""
     torch.manual_seed(0)
-    placed = place_model(create_model(5), args_for("--amp", "off"), CPU)
-    before = batch_norm_statistics(placed.module)
+    model = create_model(5)
+    placed(model, args_for("--amp", "off"))
+    before = batch_norm_statistics(model)
     batches = list(sample_batch(12, 48)[0].split(4))
     recalibrate = BatchNormRecalibration(lambda: batches)
-    copy = recalibrate(placed, DistContext.single())
-    assert not copy.module.training and copy.module is not placed.module
+    copy = recalibrate(model, DistContext.single())
+    assert not copy.training and copy is not model
     with torch.no_grad():
-        means = [placed.module.conv1(placed.input(b)).mean((0, 2, 3)) for b in batches]
-    torch.testing.assert_close(copy.module.bn1.running_mean, torch.stack(means).mean(0), rtol=1e-4, atol=1e-5)
-    assert copy.module.bn1.num_batches_tracked.item() == 3
-    after = batch_norm_statistics(placed.module)
+        means = [model.conv1(model_input(b, CPU)).mean((0, 2, 3)) for b in batches]
+    torch.testing.assert_close(copy.bn1.running_mean, torch.stack(means).mean(0), rtol=1e-4, atol=1e-5)
+    assert copy.bn1.num_batches_tracked.item() == 3
+    after = batch_norm_statistics(model)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    again = batch_norm_statistics(recalibrate(copy, DistContext.single()).module)
-    assert all(torch.equal(v, again[k]) for k, v in batch_norm_statistics(copy.module).items())
-    assert set(before) == {k for k in placed.module.state_dict() if k.split(".")[-1] in
+    again = batch_norm_statistics(recalibrate(copy, DistContext.single()))
+    assert all(torch.equal(v, again[k]) for k, v in batch_norm_statistics(copy).items())
+    assert set(before) == {k for k in model.state_dict() if k.split(".")[-1] in
                            ("running_mean", "running_var", "num_batches_tracked")}
 
 
@@ -348,10 +379,13 @@ def test_recalibrated_statistics_are_what_the_checkpoint_ships(tmp_path):
     assert torch.equal(rebuilt.bn1.running_mean, stats["bn1.running_mean"])
     best = next(r for r in metrics(whole) if r["epoch"] == ckpt["epoch"])
     # The shipped statistics as they are in one process, and recomputed in two: the same count.
+    # In one process without --val-img-size: --eval-only evaluates at the size the run was trained for, and says so.
     for again, launcher, nproc in (([], "single", 1), (recipe, "spawn", 2)):
-        ok(train(launcher, rest, "--eval-only", "--resume", str(whole / "best.pth"), "--val-img-size", "40", *again,
-                 nproc=nproc))
+        result = ok(train(launcher, rest, "--eval-only", "--resume", str(whole / "best.pth"), *again, nproc=nproc))
         assert json.loads((rest / "eval.json").read_text())["val_correct"] == best["val_correct"]
+        said = (f"--eval-only: {whole / 'best.pth'} was trained with --img-size 32 --val-img-size 40: evaluating at "
+                "that size")
+        assert (said in result.stdout) == (not again), result.stdout[-2000:]
     ok(train_here(plain, "--epochs", "1", *recipe[2:]))
     trained, recalibrated = load_checkpoint(plain / "last.pth"), load_checkpoint(whole / "last.pth")
     assert "evaluated_bn" not in trained

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import csv
+import inspect
 
 import pytest
 import torch
 
 from multi_train_utils.distributed_utils import DistContext
-from outputs.report import MAX_MISTAKES, class_metrics, evaluation_report, top_ks, write_report_files
+from outputs.report import class_metrics, evaluation_report, top_ks, write_report_files
 from utils import DataSplit
 
 NAMES = ["cat", "dog", "fox"]
@@ -61,10 +62,13 @@ def test_report_from_known_predictions(tmp_path):
 
 
 def test_mistakes_are_capped():
-    n = MAX_MISTAKES + 5
+    cap = inspect.signature(evaluation_report).parameters["most_mistakes"].default
+    n = cap + 5
     split = DataSplit(NAMES, train=[], val=[(f"img{i}.jpg", 0) for i in range(n)])
     confidences = [0.4 + 0.5 * i / n for i in range(n)]
-    report = evaluation_report([(logits_for([1] * n, confidences), torch.zeros(n, dtype=torch.long), list(range(n)))],
-                               DistContext.single(), split, "w")
-    assert len(report["mistakes"]) == MAX_MISTAKES
+    outputs = [(logits_for([1] * n, confidences), torch.zeros(n, dtype=torch.long), list(range(n)))]
+    report = evaluation_report(outputs, DistContext.single(), split, "w")
+    assert len(report["mistakes"]) == cap == 16
     assert report["mistakes"][0]["path"] == f"img{n - 1}.jpg"  # the most confident first
+    fewer = evaluation_report(outputs, DistContext.single(), split, "w", most_mistakes=3)
+    assert [m["path"] for m in fewer["mistakes"]] == [f"img{i}.jpg" for i in (n - 1, n - 2, n - 3)]

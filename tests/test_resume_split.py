@@ -4,16 +4,23 @@ user says so), a moved folder is followed when the user says so. Real launchers,
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from conftest import (
     SMALL_MODEL,
+    child_pids,
     copy_sample,
-    finished_after_killing_a_worker,
+    describe_processes,
+    kill_group,
     metrics,
     ok,
+    processes_with_marker,
     start_job,
     train,
     train_here,
@@ -122,6 +129,28 @@ def test_a_run_folder_from_before_split_json_resumes_with_a_warning(tmp_path):
     assert [r["epoch"] for r in metrics(out)] == [1, 2]
 
 
+def finished_after_killing_a_worker(proc: subprocess.Popen, marker: str, timeout: float = 60) -> str:
+    """kill -9 one worker of an elastic torchrun job: torchrun restarts the group, which must
+    resume and finish with nothing left running. Its stdout. A job that does not finish within
+    `timeout` is killed whole, its processes described."""
+    workers = child_pids(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[0], signal.SIGKILL)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        states = describe_processes(processes_with_marker(marker))
+        for pid in processes_with_marker(marker):
+            os.kill(pid, signal.SIGKILL)
+        kill_group(proc)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the restarted job did not finish within {timeout} s:\n{states}\n{stderr[-3000:]}") from None
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stdout
+    assert not processes_with_marker(marker)
+    return stdout
+
+
 def test_an_elastic_restart_keeps_its_split_while_the_folder_grows(tmp_path):
     """kill -9 a torchrun worker after the folder gained photos: torchrun restarts the group,
     which resumes from last.pth on the recorded files, not on a fresh split of the folder, and
@@ -130,6 +159,8 @@ def test_an_elastic_restart_keeps_its_split_while_the_folder_grows(tmp_path):
     out = tmp_path / "run"
     proc, marker = start_job("launch", out, "--epochs", "3", "--resume", "auto", data=data, max_restarts=1)
     wait_for_epochs(proc, out, 1)
+    while not (out / "last.pth").exists() and proc.poll() is None:  # written after epoch 1's line in metrics.jsonl
+        time.sleep(0.01)
     before = recorded(out)
     grow(data)
     stdout = finished_after_killing_a_worker(proc, marker)

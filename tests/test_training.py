@@ -13,13 +13,23 @@ import train_single_gpu
 from model import create_model, freeze_backbone
 from multi_train_utils.checkpoint import load_weights, make_checkpoint
 from multi_train_utils.config import get_args_parser
-from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.progress import Progress
+from multi_train_utils.distributed_utils import DistContext, autocast_dtype, job_precision
 from multi_train_utils.resume import restore_training
-from multi_train_utils.train_eval_utils import autocast_dtype, build_optimizer, place_model, train_one_epoch
-from recipe.schedule import build_schedule
+from multi_train_utils.train_eval_utils import Extras, Progress, build_optimizer, learning_rate, train_one_epoch
 
 CPU = torch.device("cpu")
+
+
+def placed(model: torch.nn.Module, args) -> torch.dtype | None:
+    """`model` on the CPU in the layout --channels-last asks, as the launchers place it; the
+    precision the launchers then choose (job_precision, one process)."""
+    model.to(CPU, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    return job_precision(args.amp, DistContext.single())
+
+
+def schedule(args, steps_per_epoch: int, epochs: int | None = None):
+    """The learning rate of each step, as train_one_epoch asks for it, for one process."""
+    return lambda step: learning_rate(step, steps_per_epoch, epochs or args.epochs, args, DistContext.single())
 
 
 def saved_weights(tmp_path, name: str, state: dict) -> str:
@@ -62,14 +72,14 @@ def test_frozen_backbone_keeps_its_batchnorm_statistics():
     model = create_model(5)
     freeze_backbone(model)
     args = args_for("--freeze-layers", "--amp", "off", "--epochs", "1")
-    place_model(model, args, CPU)
-    optimizer, scaler, _ = build_optimizer(model, args, CPU)
+    amp_dtype = placed(model, args)
+    optimizer, scaler = build_optimizer(model, args, amp_dtype)
     assert [n for n, p in model.named_parameters() if p.requires_grad] == ["fc.weight", "fc.bias"]
     stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
     frozen = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("fc.")}
     head = model.fc.weight.detach().clone()
-    train_one_epoch(model, torch.nn.CrossEntropyLoss(), optimizer, scaler, [sample_batch(8)] * 2, 1, Progress(), args,
-                    DistContext.single())
+    train_one_epoch(model, torch.nn.CrossEntropyLoss(), optimizer, scaler, [sample_batch(8)] * 2, 1, Progress(),
+                    amp_dtype, args, DistContext.single())
     bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert bns and not any(m.training for m in bns) and model.fc.training
     for key, value in model.state_dict().items():
@@ -80,22 +90,25 @@ def test_frozen_backbone_keeps_its_batchnorm_statistics():
 
 @pytest.mark.parametrize("choice, expected", [("off", None), ("bf16", torch.bfloat16),
                                               pytest.param("fp16", torch.float16, marks=pytest.mark.slow)])
-def test_amp_choices_train_in_that_precision(choice, expected):
+def test_amp_choices_train_in_that_precision(choice, expected, capsys):
     """Each explicit --amp value gives its autocast dtype, fp16 with a loss scaler, and trains
-    in it: the first convolution's output, during the training step, has that dtype."""
+    in it: the first convolution's output, during the training step, has that dtype. The job's
+    precision is said once."""
     assert autocast_dtype(choice, CPU) == expected
     args = args_for("--amp", choice, "--epochs", "1")
     torch.manual_seed(0)
     model = create_model(5)
-    placed = place_model(model, args, CPU)
-    optimizer, scaler, _ = build_optimizer(model, args, CPU)
-    assert placed.amp_dtype == expected and scaler.is_enabled() == (choice == "fp16")
+    amp_dtype = placed(model, args)
+    said = {"off": "fp32", "bf16": "bfloat16 autocast", "fp16": "float16 autocast"}[choice]
+    assert capsys.readouterr().out == f"precision: {said}\n"
+    optimizer, scaler = build_optimizer(model, args, amp_dtype)
+    assert amp_dtype == expected and scaler.is_enabled() == (choice == "fp16")
     conv_dtypes = []
     first_conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
     first_conv.register_forward_hook(lambda _module, _input, output: conv_dtypes.append(output.dtype))
     result = train_one_epoch(model, torch.nn.CrossEntropyLoss(), optimizer, scaler, [sample_batch(4)], 1, Progress(),
-                             args, DistContext.single())
-    assert torch.isfinite(torch.tensor(result["train_loss"]))
+                             amp_dtype, args, DistContext.single())
+    assert torch.isfinite(torch.tensor(result.train_loss))
     assert conv_dtypes == [expected or torch.float32]
 
 
@@ -106,7 +119,7 @@ def test_an_overflowed_first_fp16_step_leaves_sgd_as_if_it_never_ran():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
     args = args_for("--amp", "off")
-    optimizer, _, _ = build_optimizer(model, args, CPU)
+    optimizer, _ = build_optimizer(model, args, autocast_dtype(args.amp, CPU))
     assert all(torch.equal(optimizer.state[p]["momentum_buffer"], torch.zeros_like(p)) for p in model.parameters())
     reference = torch.nn.Linear(8, 3)
     reference.load_state_dict(model.state_dict())
@@ -149,25 +162,31 @@ def test_amp_auto_follows_the_hardware(monkeypatch):
 def test_schedule_is_a_function_of_the_step():
     """Linear warm-up to the peak, a cosine down to lrf x peak by the last step, and nothing
     else: a resumed run at any world size asks the same function for the same step."""
-    schedule = build_schedule(args_for("--epochs", "10", "--warmup-epochs", "1", "--lrf", "0.01"), 0.4, 20)
-    assert (schedule.total_steps, schedule.warmup_steps) == (200, 20)
-    warmup = [schedule(s) for s in range(20)]
+    # A peak of 0.4: --lr 0.4 per 256 images, a global batch of 256.
+    lr = schedule(args_for("--epochs", "10", "--warmup-epochs", "1", "--lrf", "0.01", "--lr", "0.4",
+                           "--batch-size", "256"), 20)
+    warmup = [lr(s) for s in range(20)]  # 20 steps: one epoch
     assert warmup == sorted(warmup) and warmup[0] == pytest.approx(0.4 / 21)
-    assert schedule(20) == pytest.approx(0.4)
-    decay = [schedule(s) for s in range(20, 201)]
+    assert lr(20) == pytest.approx(0.4)
+    decay = [lr(s) for s in range(20, 201)]
     assert all(a >= b for a, b in zip(decay, decay[1:]))
-    assert schedule(110) == pytest.approx(0.4 * (0.01 + 0.99 * 0.5))  # half way through the cosine
-    assert schedule(200) == pytest.approx(0.004) and schedule(10_000) == pytest.approx(0.004)
-    no_warmup = build_schedule(args_for("--epochs", "1", "--warmup-epochs", "0"), 0.1, 5)
+    assert lr(110) == pytest.approx(0.4 * (0.01 + 0.99 * 0.5))  # half way through the cosine
+    assert lr(200) == pytest.approx(0.004) and lr(10_000) == pytest.approx(0.004)
+    no_warmup = schedule(args_for("--epochs", "1", "--warmup-epochs", "0", "--lr", "0.1", "--batch-size", "256"), 5)
     assert no_warmup(0) == pytest.approx(0.1)
+    # The linear scaling rule: the peak follows the global batch (2 processes of 64 images).
+    two = DistContext(0, 0, 2, 2, CPU, distributed=False)
+    args = args_for("--epochs", "1", "--warmup-epochs", "0", "--lr", "0.4", "--batch-size", "64")
+    assert learning_rate(0, 5, 1, args, two) == pytest.approx(0.4 * 128 / 256)
 
 
 def test_a_linear_decay_falls_in_a_straight_line_to_its_end():
-    schedule = build_schedule(args_for("--epochs", "10", "--lr-decay", "linear", "--lrf", "0"), 0.4, 20)
-    assert schedule(20) == pytest.approx(0.4)
-    assert schedule(110) == pytest.approx(0.2) and schedule(155) == pytest.approx(0.1)
-    assert schedule(200) == 0 and schedule(10_000) == 0
-    cosine = build_schedule(args_for("--epochs", "10", "--lrf", "0"), 0.4, 20)
+    peak = ("--lr", "0.4", "--batch-size", "256")
+    lr = schedule(args_for("--epochs", "10", "--lr-decay", "linear", "--lrf", "0", *peak), 20)
+    assert lr(20) == pytest.approx(0.4)
+    assert lr(110) == pytest.approx(0.2) and lr(155) == pytest.approx(0.1)
+    assert lr(200) == 0 and lr(10_000) == 0
+    cosine = schedule(args_for("--epochs", "10", "--lrf", "0", *peak), 20)
     assert cosine(155) == pytest.approx(0.4 * 0.5 * (1 + math.cos(math.pi * 0.75)))  # below the line there
 
 
@@ -178,12 +197,12 @@ def test_it_learns():
     args = args_for("--epochs", "1", "--lr", "0.1", "--warmup-epochs", "0", "--lrf", "1", "--amp", "off")
     torch.manual_seed(0)
     model = create_model(5)
-    place_model(model, args, CPU)
-    optimizer, scaler, _ = build_optimizer(model, args, CPU)
+    amp_dtype = placed(model, args)
+    optimizer, scaler = build_optimizer(model, args, amp_dtype)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     batch = sample_batch(8)
-    losses = [train_one_epoch(model, criterion, optimizer, scaler, [batch], 1, Progress(), args,
-                              DistContext.single())["train_loss"] for _ in range(10)]
+    losses = [train_one_epoch(model, criterion, optimizer, scaler, [batch], 1, Progress(), amp_dtype, args,
+                              DistContext.single()).train_loss for _ in range(10)]
     assert losses[-1] < 0.5 * losses[0], losses
 
 
@@ -197,11 +216,11 @@ def test_a_resumed_step_is_the_same_step_whatever_layout_the_checkpoint_holds(op
     args = args_for("--epochs", "2", "--amp", "off", option)
     torch.manual_seed(0)
     model = create_model(5)
-    place_model(model, args, CPU)
-    optimizer, scaler, _ = build_optimizer(model, args, CPU)
+    amp_dtype = placed(model, args)
+    optimizer, scaler = build_optimizer(model, args, amp_dtype)
     batch, ctx = sample_batch(8, 64), DistContext.single()
     criterion = torch.nn.CrossEntropyLoss()
-    train_one_epoch(model, criterion, optimizer, scaler, [batch], 1, Progress(), args, ctx)
+    train_one_epoch(model, criterion, optimizer, scaler, [batch], 1, Progress(last_epoch=2), amp_dtype, args, ctx)
     # A copy, as a file holds it: the state dict shares the live buffers.
     own = copy.deepcopy(make_checkpoint(model, optimizer, scaler, Progress(epoch=1), args, ["a"] * 5, 1))
     own["loaded_from"] = "last.pth"
@@ -213,9 +232,12 @@ def test_a_resumed_step_is_the_same_step_whatever_layout_the_checkpoint_holds(op
     stepped = []
     for checkpoint in (own, other):
         resumed = copy.deepcopy(model)
-        resumed_optimizer, resumed_scaler, _ = build_optimizer(resumed, args, CPU)
-        restore_training(checkpoint, resumed_optimizer, resumed_scaler, None, [batch], False, args, ctx)
-        train_one_epoch(resumed, criterion, resumed_optimizer, resumed_scaler, [batch], 2, Progress(epoch=1), args, ctx)
+        resumed_optimizer, resumed_scaler = build_optimizer(resumed, args, amp_dtype)
+        progress = restore_training(checkpoint, Progress(last_epoch=2), resumed_optimizer, resumed_scaler, Extras(),
+                                    [batch], False, args, ctx)
+        assert progress.epoch == 1
+        train_one_epoch(resumed, criterion, resumed_optimizer, resumed_scaler, [batch], 2, progress, amp_dtype, args,
+                        ctx)
         stepped.append(list(resumed.parameters()))
     for (name, _), a, b in zip(model.named_parameters(), *stepped, strict=True):
         assert torch.equal(a, b), f"{name}: the step resumed from the other layout differs"
