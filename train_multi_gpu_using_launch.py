@@ -54,16 +54,16 @@ def main() -> None:
     ranks = env_ranks(args.local_rank) or rendezvous.srun_ranks()
     check_options(args, "launch", ranks)  # before any collective: a mistake is one `error:` line in each process
     plan = list_images_of(args, "launch", ranks)  # --download; the class folders, or the folder's train/ and val/
-    if args.check:  # diagnose instead of training, in a process group of its own
+    if args.check:  # diagnose instead of training, in a group of its own: all_gather, broadcast, all_reduce
         from cluster.check import check  # a program of its own: imported only here
         sys.exit(check(plan, ranks))
     ctx = process_context(ranks, args.device, args.backend)  # its device (its local rank's GPU), its share of the CPUs
     if args.trace_collectives:  # the Python-level collectives from here on, each with the line below that led to it
         collective_trace.start(__file__)
     if ctx.distributed:
-        # Complete once every rank has joined: at torchrun's store, or at job_store's (a group torchrun restarted; srun's
-        # tasks, whose rank 0 names the missing). A peer missing, dead or stuck becomes an error after --dist-timeout.
+        # Where they meet: torchrun's store, or job_store's (a restarted group; srun's tasks: rank 0 names the absent).
         store = None if ranks.agent and not ranks.restart else rendezvous.job_store(ranks, args.dist_timeout)
+        # init_process_group: done once every rank has joined; one missing, dead or stuck: an error after --dist-timeout
         dist.init_process_group(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
                                 timeout=datetime.timedelta(seconds=args.dist_timeout),
                                 device_id=ctx.device if ctx.device.type == "cuda" else None)
@@ -113,7 +113,7 @@ def train(plan, ctx, output_dir) -> None:
         extras.initial_weights(model, args, ctx)
     model.to(ctx.device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
     amp_dtype = job_precision(args.amp, ctx)  # all_gather: the precision every rank runs natively, one for the job
-    if args.eval_only:  # the weights --resume or --weights gives: evaluate's collectives, then the report's
+    if args.eval_only:  # --resume's or --weights' weights: evaluate's broadcast, all_reduce; the report's all_gather
         report.evaluate_only(model, checkpoint, val_loader, split, output_dir, args, ctx)
         return
     if checkpoint:

@@ -55,6 +55,7 @@ def main() -> None:
     # Where the processes meet, exported for them: --dist-url, else MASTER_ADDR:MASTER_PORT, else a free port on
     # 127.0.0.1 (gloo then stays on loopback: GLOO_SOCKET_IFNAME).
     rendezvous.meeting_point(args)
+    signal.signal(signal.SIGTERM, rendezvous.end_with_the_started)  # while they start: theirs, and this process ends
     context = mp.spawn(worker, args=(plan,), nprocs=world_size, join=False)
     # The first failure ends the job; a SIGTERM to this process alone is passed on to them; Ctrl-C ends them all.
     sys.exit(rendezvous.join_processes(context))
@@ -66,14 +67,14 @@ def worker(rank: int, plan) -> None:
     rank is the rank)."""
     args = plan.args
     ranks = Ranks(rank, rank, plan.world_size, plan.world_size)
-    if args.check:  # diagnose instead of training, in a process group of its own
+    if args.check:  # diagnose instead of training, in a group of its own: all_gather, broadcast, all_reduce
         from cluster.check import check  # a program of its own: imported only here
         sys.exit(check(plan, ranks))
     ctx = process_context(ranks, args.device, args.backend)  # its device (its rank's GPU), its share of the CPUs
     if args.trace_collectives:  # the Python-level collectives from here on, each with the line below that led to it
         collective_trace.start(__file__)
-    # Complete once every rank has joined at MASTER_ADDR:MASTER_PORT, where rank 0 hosts torch's store; a peer
-    # missing, dead or stuck becomes an error after --dist-timeout. NCCL on GPUs, gloo on the CPU.
+    # init_process_group: complete once every rank has joined at MASTER_ADDR:MASTER_PORT, where rank 0 hosts torch's
+    # store; a peer missing, dead or stuck becomes an error after --dist-timeout. NCCL on GPUs, gloo on the CPU.
     dist.init_process_group(ctx.backend, rank=rank, world_size=plan.world_size,
                             timeout=datetime.timedelta(seconds=args.dist_timeout),
                             device_id=ctx.device if ctx.device.type == "cuda" else None)
@@ -122,7 +123,7 @@ def train(plan, ctx, output_dir) -> None:
         extras.initial_weights(model, args, ctx)
     model.to(ctx.device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
     amp_dtype = job_precision(args.amp, ctx)  # all_gather: the precision every rank runs natively, one for the job
-    if args.eval_only:  # the weights --resume or --weights gives: evaluate's collectives, then the report's
+    if args.eval_only:  # --resume's or --weights' weights: evaluate's broadcast, all_reduce; the report's all_gather
         report.evaluate_only(model, checkpoint, val_loader, split, output_dir, args, ctx)
         return
     if checkpoint:

@@ -88,12 +88,22 @@ def exit_on_error(main: Callable[..., Any]) -> Callable[..., None]:
             stderr_line("interrupted")
             sys.exit(130)  # the shell's code for "ended by SIGINT"
         except Exception as e:
+            if interrupted(e):  # Ctrl-C cut a call short, which then failed (torch.save's zip writer)
+                stderr_line("interrupted")
+                sys.exit(130)
             ours = isinstance(e, ProjectError)
             record_for_torchrun(e, stderr_line(f"{e.prefix}: {e}" if ours else traceback.format_exc().rstrip()))
             traceback.clear_frames(e.__traceback__)
             sys.exit(e.exit_code if ours else 1)
 
     return run
+
+
+def interrupted(error: BaseException | None) -> bool:
+    """Whether a KeyboardInterrupt is among the exceptions `error` was raised in the handling of."""
+    while error is not None and not isinstance(error, KeyboardInterrupt):
+        error = error.__context__
+    return error is not None
 
 
 def record_for_torchrun(error: Exception, text: str) -> None:

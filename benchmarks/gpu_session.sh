@@ -161,7 +161,7 @@ if [ "$1" = 6 ]; then
 fi
 
 # Part 7: after the launchers' rewrite (torch's own rendezvous and process group): every GPU test,
-# a breakpoint on each of the eight steps in a default torchrun run on the GPU (NCCL, the graphed
+# a breakpoint on each of the nine steps in a default torchrun run on the GPU (NCCL, the graphed
 # step), and the 10-epoch job beside the original recipe, in one call; each result into $OUT.
 if [ "$1" = 7 ]; then
     step "machine"
@@ -173,7 +173,7 @@ if [ "$1" = 7 ]; then
         -k "not (throughput or recorder or nccl_stages or sigterm)" > "$OUT/gpu-tests.log" 2>&1
     grep -E "(PASSED|FAILED|ERROR|passed|failed)" "$OUT/gpu-tests.log" | tail -30
 
-    step "a breakpoint on each line of the eight steps: torchrun's defaults on the GPU (tests/breakpoints/)"
+    step "a breakpoint on each line of the nine steps: torchrun's defaults on the GPU (tests/breakpoints/)"
     rm -rf /tmp/bp; mkdir -p /tmp/bp/reached
     BREAKPOINTS=$(cd tests && $PY -c "from test_distributed import step_lines
 print(';'.join(f'{p}:{l}' for _, _, p, l in step_lines()))") || exit 1

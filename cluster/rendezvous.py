@@ -70,8 +70,8 @@ def job_store(ranks: Ranks, timeout_s: float, option: str = "--dist-timeout") ->
                 store.wait([f"read/{r}" for r in joined], datetime.timedelta(seconds=10))
             raise ProjectError(verdict)
         return store
-    try:
-        store.wait(["verdict"], timeout)
+    try:  # rank 0 gives its verdict once its own wait is over: a little longer here, or the two race
+        store.wait(["verdict"], timeout + datetime.timedelta(seconds=30))
         verdict = store.get("verdict").decode()
         store.set(f"read/{ranks.rank}", "")
     except dist.DistError:
@@ -123,6 +123,16 @@ def meeting_point(args: Any) -> None:
         if loopback:
             os.environ["GLOO_SOCKET_IFNAME"] = loopback
             print(f"GLOO_SOCKET_IFNAME={loopback} (gloo stays on loopback)")
+
+
+def end_with_the_started(signum: int, frame: Any) -> None:
+    """The spawn launcher's SIGTERM handler while mp.spawn starts its processes: passed on to those
+    started (at start-up, it ends them at once: nothing to save), and this process ends as the signal
+    would have ended it; left running, it would wait on for a process that never reads its plan."""
+    for process in mp.active_children():
+        os.kill(process.pid, signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def join_processes(context: Any, grace_seconds: float = 5) -> int:

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from PIL import Image
 
 REPO = Path(__file__).resolve().parent.parent
 # The project's packages, in the order of tests/test_layout.py's layers, lowest first.
-PACKAGES = ("processes", "multi_train_utils", "recipe", "speed", "outputs", "cluster", "benchmarks")
+PACKAGES = ("multi_train_utils", "recipe", "speed", "outputs", "cluster", "benchmarks")
 SAMPLE = REPO / "data" / "flower_photos_sample"
 sys.path.insert(0, str(REPO))
 
@@ -143,10 +144,38 @@ def run_cli(cmd: list[str], timeout: float = 180, env: dict[str, str] | None = N
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        states = where_they_wait(group_of(proc))  # before the kill: which process waits where
         kill_group(proc)  # every process of the job, not only the launcher
         out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}") from None
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}\n"
+                             f"the job's processes then:\n{states}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def group_of(proc: subprocess.Popen) -> list[int]:
+    """The live processes of `proc`'s process group (start() makes it the leader of its own)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[2]) == proc.pid and stat[0] != "Z":
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+def where_they_wait(pids: list[int]) -> str:
+    """describe_processes(pids), and each one's Python stacks where py-spy is installed: what a
+    test reports when a job hangs."""
+    text = describe_processes(pids)
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    for pid in pids if spy else ():
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30).stdout
+            text += "\n" + "\n".join(line for line in dump.splitlines() if line.strip())
+    return text
 
 
 def train(launcher: str, out: Path, *extra: str, nproc: int = 1, data: Path = SAMPLE, timeout: float = 180,
@@ -272,11 +301,12 @@ def describe_processes(pids: list[int]) -> str:
 STOP_WITHIN = 20
 
 
-def start_job(launcher: str, out: Path, *extra: str, nproc: int = 2, data: Path = SAMPLE, max_restarts: int = 0):
+def start_job(launcher: str, out: Path, *extra: str, nproc: int = 2, data: Path = SAMPLE, max_restarts: int = 0,
+              fast: list[str] = FAST):
     """A training job in the background, to be stopped, killed or restarted; `max_restarts`
-    makes a torchrun job elastic."""
+    makes a torchrun job elastic; `fast=FAST_DEFAULT_WORKERS`: with the default loader workers."""
     marker = uuid.uuid4().hex
-    cmd = launcher_cmd(launcher, nproc) + ["--data-path", str(data), "--output-dir", str(out), *FAST, *SMALL_MODEL,
+    cmd = launcher_cmd(launcher, nproc) + ["--data-path", str(data), "--output-dir", str(out), *fast, *SMALL_MODEL,
                                            *extra]
     if max_restarts:
         cmd.insert(cmd.index("--standalone"), f"--max-restarts={max_restarts}")
@@ -290,7 +320,7 @@ def wait_for_epochs(proc, out: Path, epochs: int, timeout: float = 180) -> None:
     while not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= epochs):
         if proc.poll() is not None or time.monotonic() > deadline:
             marker = getattr(proc, "marker", None)  # set by start_job
-            states = describe_processes(processes_with_marker(marker)) if marker else ""
+            states = where_they_wait(processes_with_marker(marker) if marker else group_of(proc))
             kill_group(proc)
             stdout, stderr = proc.communicate()
             raise AssertionError(f"the job ended or stalled before epoch {epochs}:\n{states}\n"
@@ -325,6 +355,14 @@ def wait_until_gone(proc, marker: str) -> tuple[float, str]:
         kill_group(proc)
     assert not leftover, f"processes left running: {leftover}"
     return time.monotonic() - started, err
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now, for a job's MASTER_PORT or rendezvous endpoint (the
+    launchers pick their own: only the spawn launcher, and only without MASTER_PORT)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def child_pids(pid: int) -> list[int]:

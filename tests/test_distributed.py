@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -12,23 +12,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import REPO, SAMPLE, args_for, metrics, ok, sample_batch, train, train_here
-from test_launcher_page import EIGHT_STEPS, function_source
+from conftest import REPO, SAMPLE, args_for, free_port, metrics, ok, sample_batch, train, train_here
+from test_launcher_page import LAUNCHER, NINE_STEPS, START, functions, names_used
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
 
 from model import cpu_sync_batchnorm, create_model
 from multi_train_utils import distributed_utils
-import utils
-from multi_train_utils.checkpoint import REQUIRED_KEYS, load_checkpoint
-from multi_train_utils.config import check_and_list_images
-from multi_train_utils.distributed_utils import DistContext, ShardSampler, init_distributed, teardown
-from multi_train_utils.loaders import loaders_of, readable_split
-from multi_train_utils.progress import Progress
-from multi_train_utils.train_eval_utils import build_optimizer, train_one_epoch
-from my_dataset import MyDataSet, build_transform, normalize
-from multi_train_utils.distributed_utils import Ranks, find_free_port
-from speed.scaling import ScalingTally, ddp_timers
-from utils import TrainingDiverged, list_images, load_split
+from multi_train_utils.checkpoint import load_checkpoint
+from multi_train_utils.config import list_images_of
+from multi_train_utils.distributed_utils import DistContext, Ranks, ShardSampler, process_context
+from multi_train_utils.train_eval_utils import Progress, build_optimizer, train_one_epoch
+from my_dataset import EpochKeys, MyDataSet, build_transform, default_workers, normalize, train_and_val_sets
+from outputs import scaling
+from outputs.scaling import ddp_timers
+from utils import TrainingDiverged, list_images, load_split, split_samples
 
 METRIC_KEYS = {"epoch", "train_loss", "train_total", "val_loss", "val_acc", "val_correct", "val_total", "lr",
                "epoch_seconds", "train_images_per_sec", "world_size", "global_batch_size", "data_wait_seconds"}
@@ -41,30 +39,31 @@ def runs(tmp_path_factory):
     results = {}
     # The single launcher's process is not under test here (the original command lines' test
     # starts it, among others): its main() runs in this process.
-    results["single"] = (root / "single", ok(train_here(root / "single", "--epochs", "2")))
+    results["single"] = (root / "single", ok(train_here(root / "single", "--epochs", "2", "--scaling")))
     # The torchrun run with a breakpoint on each line of the eight steps (tests/breakpoints/).
     (root / "reached").mkdir()
     breakpoints = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "breakpoints"),
                                                                os.environ.get("PYTHONPATH")])),
                    "BREAKPOINTS": ";".join(f"{path}:{line}" for _, _, path, line in step_lines()),
                    "BREAKPOINTS_OUT": str(root / "reached")}
-    for launcher, nproc in (("launch", 2), ("spawn", 3)):
-        out = root / launcher
-        results[launcher] = (out, ok(train(launcher, out, "--epochs", "2", nproc=nproc,
-                                           env=breakpoints if launcher == "launch" else None)))
+    results["launch"] = (root / "launch", ok(train("launch", root / "launch", "--epochs", "2", nproc=2, env=breakpoints)))
+    # The end of run's options, off by default: the report of best.pth's weights and the scaling summary.
+    results["spawn"] = (root / "spawn", ok(train("spawn", root / "spawn", "--epochs", "2", "--report", "--scaling",
+                                                 nproc=3)))
     return results
 
 
 def step_lines() -> list[tuple[str, str, Path, int]]:
-    """Each line of the eight steps (tests/test_launcher_page.py's table): the step, its call, file and line."""
+    """Each line of the nine steps (tests/test_launcher_page.py's chains, from the torchrun
+    launcher's call down to torch's): the step, the name called there, its file and line; a name
+    called on more than one line (save_checkpoint's save_atomic: best.pth's, last.pth's) on each."""
     found = []
-    for step, path, function, call in EIGHT_STEPS:
-        text = (REPO / path).read_text()
-        source = function_source(path, function) if function else text
-        start = text.index(source) + source.rindex(call)  # the last: a docstring may name the call first
-        line = text.count("\n", 0, start) + 1
-        assert call in text.splitlines()[line - 1].partition("#")[0], (step, line)  # code, not a comment
-        found.append((step, call, REPO / path, line))
+    for step, chain in NINE_STEPS.items():
+        for file, function, name in chain:
+            path = REPO / (LAUNCHER if file == "launcher" else file)
+            node = functions(path)[START[LAUNCHER] if function == "start" else function]
+            found += [(step, name, path, line) for line in sorted({n.lineno for n, used in names_used(path, node)
+                                                                   if used == name})]
     return found
 
 
@@ -79,16 +78,20 @@ def reached_by_rank(folder: Path) -> dict[str, set[str]]:
 
 
 @pytest.mark.slow
-def test_a_breakpoint_on_each_of_the_eight_steps_stops_a_default_run(runs):
+def test_a_breakpoint_on_each_of_the_nine_steps_stops_a_default_run(runs):
     """The torchrun run above (2 processes, the defaults but the sizes): a debugger's breakpoint on
-    each line of the eight steps is reached, on every rank; rank 0 alone saves. All but SyncBN's:
-    --sync-bn is off by default (tests/test_collective_trace.py's run with it records the all_reduce
-    of its statistics in each forward)."""
+    each line of the nine steps, the launcher's and those below it, is reached, on every rank;
+    rank 0 alone saves. All but SyncBN's: --sync-bn is off by default (tests/test_collective_trace.py's
+    run with it records the all_reduce of its statistics in each forward)."""
     reached = reached_by_rank(runs["launch"][0].parent / "reached")
-    for step, call, path, line in step_lines():
-        ranks = {rank for rank in ("0", "1") if f"{path}:{line}" in reached.get(rank, ())}
-        expected = set() if step == "SyncBatchNorm" else {"0"} if call == "torch.save(" else {"0", "1"}
-        assert ranks == expected, (step, f"{path.name}:{line}", ranks)
+    assert {"0", "1"} <= reached.keys(), reached.keys()  # and torchrun's agent, of no rank
+    by_call: dict[tuple[str, str, Path], set[str]] = {}
+    for step, call, path, line in step_lines():  # a call on several lines: the run takes one of them
+        by_call.setdefault((step, call, path), set()).update(
+            rank for rank in ("0", "1") if f"{path}:{line}" in reached.get(rank, ()))
+    for (step, call, path), ranks in by_call.items():
+        expected = set() if step == "SyncBatchNorm" else {"0"} if step == "rank 0's save" else {"0", "1"}
+        assert ranks == expected, (step, call, path.name, ranks)
 
 
 @pytest.mark.slow
@@ -106,7 +109,8 @@ def test_end_to_end(runs, launcher, world_size):
         assert 0 <= r["val_acc"] <= 1 and r["val_correct"] == round(r["val_acc"] * 25)
         assert 0 < r["data_wait_seconds"] < r["epoch_seconds"]
     ckpt = load_checkpoint(out / "last.pth")
-    assert set(REQUIRED_KEYS) <= ckpt.keys() and ckpt["epoch"] == 2
+    assert {"model", "optimizer", "scaler", "epoch", "best_acc", "args", "class_names"} <= ckpt.keys()
+    assert ckpt["epoch"] == 2
     assert not any(k.startswith("module.") for k in ckpt["model"])  # saved without the DDP wrapper
     assert ckpt["class_names"] == ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
     assert ckpt["args"]["epochs"] == 2
@@ -119,9 +123,17 @@ def test_end_to_end(runs, launcher, world_size):
     assert not list(out.glob("*.png"))  # --no-plots
     # Rank 0 alone prints: one summary line per epoch, not one per process.
     assert result.stdout.count("epoch 2/2: train loss") == 1
-    # A multi-process run ends by saying what its processes bought, measured: the images/s of
-    # its epochs, the loop's waits for data, DDP's own timers of the gradients' all-reduce.
-    if world_size == 1:
+    if world_size > 1:
+        # Math threads: torchrun sets OMP_NUM_THREADS=1 for 2 processes or more, which the process
+        # keeps; mp.spawn sets nothing, and each process takes its share of the CPUs.
+        threads = 1 if launcher == "launch" else max(1, len(os.sched_getaffinity(0)) // world_size)
+        assert f"world_size={world_size}, threads per process={threads}" in result.stdout
+    # The end-of-run report and the scaling summary are off by default (the torchrun run's).
+    assert (out / "report.json").exists() == (launcher == "spawn")
+    # A multi-process run with --scaling ends by saying what its processes bought, measured: the
+    # images/s of its epochs, the loop's waits for data, DDP's own timers of the gradients'
+    # all-reduce. One process (given --scaling too) has nothing to say.
+    if launcher != "spawn":
         assert "scaling:" not in result.stdout and not (out / "scaling.json").exists()
         return
     scaling = json.loads((out / "scaling.json").read_text())
@@ -145,30 +157,29 @@ def test_end_to_end(runs, launcher, world_size):
 
 @pytest.mark.slow
 def test_evaluation_and_report_are_exact_on_any_world_size(runs, tmp_path):
-    """A run's best checkpoint, evaluated again by 1 or 3 processes over 25 validation images
-    (which neither 2 nor 3 divides), gives exactly what the run itself reported: the accuracy and
-    loss of that epoch, and the whole evaluation report, which the run made from the outputs its
-    best epoch's evaluation kept (a run of 2 processes and one of 3; an evaluation in 1 process,
-    here in this one, makes its report as a 1-process run does)."""
-    for trained, evaluations in (("launch", ((1, "single"), (3, "spawn"))), ("spawn", ((1, "single"),))):
-        out, _ = runs[trained]
-        best_epoch = load_checkpoint(out / "best.pth")["epoch"]
-        reported = metrics(out)[best_epoch - 1]
-        run_report = json.loads((out / "report.json").read_text())
-        assert run_report["weights"] == f"{out / 'best.pth'} (epoch {best_epoch})"
-        for world_size, launcher in evaluations:
-            again = tmp_path / f"{trained}-{world_size}"
-            argv = ("--eval-only", "--resume", str(out / "best.pth"), "--plots")
-            ok(train_here(again, *argv) if launcher == "single" else train(launcher, again, *argv, nproc=world_size))
-            result = json.loads((again / "eval.json").read_text())
-            assert result["val_total"] == 25
-            assert result["val_correct"] == reported["val_correct"]
-            assert result["val_loss"] == pytest.approx(reported["val_loss"], rel=1e-5)
-            report = json.loads((again / "report.json").read_text())
-            for key in ("images", "accuracy", "macro_f1", "per_class", "top_k_accuracy", "confusion_matrix"):
-                assert report[key] == run_report[key], (trained, world_size, key)
-            assert report["world_size"] == world_size and report["images"] == 25
-        assert (tmp_path / f"{trained}-{evaluations[0][0]}" / "confusion_matrix.png").is_file()
+    """The spawn run's best checkpoint (3 processes), evaluated again by 1 and 2 processes over 25
+    validation images (which neither 2 nor 3 divides), gives exactly what the run itself reported:
+    the accuracy and loss of that epoch, and the whole evaluation report, which --report made at
+    the run's end from best.pth's weights (an evaluation in 1 process, here in this one, makes
+    its report as a 1-process run does)."""
+    out, _ = runs["spawn"]
+    best_epoch = load_checkpoint(out / "best.pth")["epoch"]
+    reported = metrics(out)[best_epoch - 1]
+    run_report = json.loads((out / "report.json").read_text())
+    assert run_report["weights"] == f"{out / 'best.pth'} (epoch {best_epoch})" and run_report["world_size"] == 3
+    for world_size, launcher in ((1, "single"), (2, "launch")):
+        again = tmp_path / f"eval-{world_size}"
+        argv = ("--eval-only", "--resume", str(out / "best.pth"), *(("--plots",) if world_size == 1 else ()))
+        ok(train_here(again, *argv) if launcher == "single" else train(launcher, again, *argv, nproc=world_size))
+        result = json.loads((again / "eval.json").read_text())
+        assert result["val_total"] == 25
+        assert result["val_correct"] == reported["val_correct"]
+        assert result["val_loss"] == pytest.approx(reported["val_loss"], rel=1e-5)
+        report = json.loads((again / "report.json").read_text())
+        for key in ("images", "accuracy", "macro_f1", "per_class", "top_k_accuracy", "confusion_matrix"):
+            assert report[key] == run_report[key], (world_size, key)
+        assert report["world_size"] == world_size and report["images"] == 25
+    assert (tmp_path / "eval-1" / "confusion_matrix.png").is_file()  # --plots draws the report's pictures
 
 
 # Training images drawn in an epoch of the 95-image split, 8 per batch, by world size (docs/exactness.md).
@@ -177,19 +188,24 @@ SEEN = {1: 88, 2: 96, 3: 96}
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_each_training_image_is_drawn_once_an_epoch_less_the_dropped_plus_the_padding(world_size):
-    """The training loaders of all ranks together: each image once an epoch, except that the
-    DistributedSampler repeats the first images of its shuffle until every rank has as many, and a
-    rank's last batch is dropped when shorter than --batch-size (while the shard is longer than one)."""
-    plan = check_and_list_images(args_for("--workers", "0", "--batch-size", "8"), "test", verbose=False)
-    split = readable_split(plan, DistContext.single())
+    """The training loaders of all ranks together, built as the launchers build them: each image
+    once an epoch, except that the DistributedSampler repeats the first images of its shuffle
+    until every rank has as many, and a rank's last batch is dropped when shorter than
+    --batch-size (while the shard is longer than one)."""
+    args = args_for("--workers", "0", "--batch-size", "8")
+    plan = list_images_of(args, "single", verbose=False)
+    split = split_samples(plan.samples, plan.class_names, args.val_rate, args.seed, plan.val_files)
+    train_set, _ = train_and_val_sets(split, args)
     n, per_rank = len(split.train), -(-len(split.train) // world_size)  # 95, and ceil(95 / world_size)
     padding, kept = world_size * per_rank - n, per_rank - per_rank % 8
-    loaders = [loaders_of(split, plan, DistContext(r, r, world_size, world_size, torch.device("cpu"), True))
-               for r in range(world_size)]
+    samplers = [DistributedSampler(train_set, num_replicas=world_size, rank=r, shuffle=True, seed=args.seed)
+                for r in range(world_size)]
+    loaders = [DataLoader(train_set, sampler=EpochKeys(sampler), batch_size=8, drop_last=len(sampler) > 8)
+               for sampler in samplers]
     missed_by_epoch = []
     for epoch in (1, 2):
         drawn = []
-        for loader, _, sampler in loaders:
+        for loader, sampler in zip(loaders, samplers):
             sampler.set_epoch(epoch)
             drawn += [index for batch in loader.batch_sampler for e, index in batch if e == epoch]
         assert len(drawn) == world_size * kept == SEEN[world_size]
@@ -214,48 +230,35 @@ def test_shard_sampler_covers_each_index_once():
 
 @pytest.fixture
 def threads_of(monkeypatch):
-    """The math threads one of `processes` CPU processes on a 32-core machine sets itself, in
-    the environment `env` and with a launcher started in `launcher_env` (None: unreadable)."""
+    """The math threads and CPUs (ctx.cpus, which sizes the loader workers) one process sets itself
+    on a 32-core machine, with `ranks` (None: one process) in the environment `env`."""
     before = torch.get_num_threads()
-    monkeypatch.setattr(utils, "cpu_count", lambda: 32)  # a 32-core machine, this process bound to none
-    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    monkeypatch.setattr(distributed_utils, "cpu_count", lambda: 32)  # a 32-core machine, this process bound to none
 
-    def threads(processes: int, env: dict[str, str], launcher_env: dict[str, str] | None = None) -> int:
-        for key in ("OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID"):
+    def threads(ranks: Ranks | None, env: dict[str, str]) -> tuple[int, int]:
+        for key in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
             monkeypatch.delenv(key, raising=False)
         for key, value in env.items():
             monkeypatch.setenv(key, value)
-        monkeypatch.setattr(distributed_utils, "_launcher_environ", lambda: launcher_env)
         torch.set_num_threads(7)  # a value none of the cases sets
-        distributed_utils._configure_threads(torch.device("cpu"), processes)
-        return torch.get_num_threads()
+        ctx = process_context(ranks, "cpu")
+        return torch.get_num_threads(), ctx.cpus
 
     yield threads
     torch.set_num_threads(before)
 
 
 def test_each_cpu_process_gets_its_share_of_the_cores(threads_of):
-    torchrun = {"TORCHELASTIC_RUN_ID": "none"}
-    assert threads_of(2, {}) == 16  # mp.spawn exports nothing
-    # torchrun's own OMP_NUM_THREADS=1: set in torchrun, absent from the environment it started with
-    assert threads_of(2, {**torchrun, "OMP_NUM_THREADS": "1"}, launcher_env={}) == 16
-    assert threads_of(2, {**torchrun, "OMP_NUM_THREADS": "1"}, launcher_env=None) == 16  # no /proc: the rule
-    # the user's choice: given to torchrun, or any other value, or outside torchrun
-    assert threads_of(2, {**torchrun, "OMP_NUM_THREADS": "1"}, launcher_env={"OMP_NUM_THREADS": "1"}) == 7
-    assert threads_of(2, {**torchrun, "OMP_NUM_THREADS": "3"}, launcher_env={"OMP_NUM_THREADS": "3"}) == 7
-    assert threads_of(2, {"OMP_NUM_THREADS": "1"}) == 7
-    assert threads_of(1, {**torchrun, "OMP_NUM_THREADS": "1"}, launcher_env={}) == 7  # torchrun sets it for 2+ only
-
-
-@pytest.mark.slow
-def test_the_launcher_environment_is_the_one_it_started_with():
-    """As torchrun does, a launcher sets a variable after it started, then starts a worker:
-    the worker finds what the launcher was given, not what it set itself."""
-    worker = "from multi_train_utils.distributed_utils import _launcher_environ as e; l = e(); print(l['GIVEN'], 'SET' in l)"
-    launcher = f"import os, subprocess, sys; os.environ['SET'] = '1'; subprocess.run([sys.executable, '-c', {worker!r}])"
-    out = subprocess.run([sys.executable, "-c", launcher], cwd=REPO, env={**os.environ, "GIVEN": "yes"},
-                         capture_output=True, text=True, timeout=60)
-    assert out.stdout.split() == ["yes", "False"], out.stderr
+    """Threads: the process's share of the CPUs, unless OMP_NUM_THREADS says (torchrun sets 1 for 2
+    processes or more, which is honoured); an srun task's CPUs are SLURM_CPUS_PER_TASK. The loader
+    workers are the CPUs less one, 8 at most on the CPU, at least one."""
+    assert threads_of(None, {}) == (32, 32)  # one process
+    assert threads_of(Ranks(0, 0, 2, 2), {}) == (16, 16)  # mp.spawn exports nothing
+    assert threads_of(Ranks(1, 1, 2, 2), {"OMP_NUM_THREADS": "1"}) == (7, 16)  # torchrun's, or the user's
+    assert threads_of(Ranks(0, 0, 8, 4, srun_task=True), {"SLURM_CPUS_PER_TASK": "6"}) == (6, 6)
+    assert threads_of(Ranks(0, 0, 8, 4), {"SLURM_CPUS_PER_TASK": "6"}) == (8, 8)  # not an srun task: its share
+    assert [default_workers(torch.device("cpu"), cpus) for cpus in (1, 2, 6, 16)] == [1, 1, 5, 8]
+    assert default_workers(torch.device("cuda"), 16) == 15
 
 
 def _real_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,15 +275,16 @@ def _step(model, ctx, images, labels, model_without_ddp=None):
     module = model_without_ddp or model
     args = args_for("--weight-decay", "1e-4", "--amp", "off", "--no-channels-last", "--warmup-epochs", "0", "--lrf", "1",
                     "--lr", str(0.1 * 128 / (len(labels) * ctx.world_size)), "--batch-size", str(len(labels)))
-    optimizer, scaler, _ = build_optimizer(module, args, ctx.device)
+    optimizer, scaler = build_optimizer(module, args, None)
     train_one_epoch(model, torch.nn.CrossEntropyLoss(label_smoothing=0.1), optimizer, scaler, [(images, labels)], 1,
-                    Progress(), args, ctx)
+                    Progress(), None, args, ctx)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def _ddp_worker(rank: int, port: int, out_dir: str, per_rank: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ctx = init_distributed(Ranks(rank, rank, 2, 2), "cpu", "gloo", 120)
+    ctx = process_context(Ranks(rank, rank, 2, 2), "cpu")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         torch.set_default_dtype(torch.float64)
         images, labels = _real_batch(2 * per_rank)
@@ -294,7 +298,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str, per_rank: int) -> None:
             if rank == 0:
                 torch.save(state, os.path.join(out_dir, f"sync_{sync}.pt"))
     finally:
-        teardown()
+        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -306,7 +310,7 @@ def test_ddp_with_sync_bn_takes_the_same_step_as_one_process(tmp_path):
     step from random weights, with BatchNorm over 8 values per channel in the last stage,
     amplifies rounding to about 1e-4 in both runs alike (float64 agrees to 1e-13)."""
     per_rank = 4
-    mp.spawn(_ddp_worker, args=(find_free_port(), str(tmp_path), per_rank), nprocs=2)
+    mp.spawn(_ddp_worker, args=(free_port(), str(tmp_path), per_rank), nprocs=2)
     images, labels = _real_batch(2 * per_rank)
     torch.set_default_dtype(torch.float64)
     try:
@@ -353,70 +357,73 @@ def test_non_finite_loss_stops_every_rank(tmp_path, launcher, nproc):
     result = train_here(tmp_path, *argv) if launcher == "single" else train(launcher, tmp_path, *argv, nproc=nproc)
     assert result.returncode == TrainingDiverged.exit_code, result.stderr[-3000:]  # torchrun's own code is 1 too
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: the loss became NaN")]
-    assert len(errors) == nproc and "epoch 1, step" in errors[0], result.stderr[-3000:]
+    assert len(errors) == nproc and len(set(errors)) == 1, result.stderr[-3000:]  # every rank, at the same look
+    batches = 11 if nproc == 1 else 6  # 95 images, batch 8, the shorter last batch dropped
+    assert re.search(rf"at epoch 1, by step \d+ of {batches}: lower --lr", errors[0]), result.stderr[-3000:]
     assert not (tmp_path / "last.pth").exists()
 
 
 
-def test_the_scaling_summary_of_a_graphed_run_leaves_the_all_reduce_untimed(tmp_path):
+def records(*epochs: tuple[int, float, float], global_batch: int = 32) -> list[dict]:
+    """metrics.jsonl's lines of epochs of (images trained, seconds, seconds waiting for data)."""
+    return [{"epoch": i + 1, "train_images_per_sec": images / seconds, "epoch_seconds": seconds,
+             "data_wait_seconds": wait, "global_batch_size": global_batch} for i, (images, seconds, wait) in enumerate(epochs)]
+
+
+def test_the_scaling_summary_of_a_graphed_run_leaves_the_all_reduce_untimed():
     """On a GPU the step is replayed as a CUDA graph, where DDP's timers do not run: the summary
     says so instead of showing the eager warm-up steps' figures as the run's."""
-    tally = ScalingTally(2, 16)
-    for _ in range(2):  # two epochs of 320 images in 2 s each
-        tally.add({"train_images": 320, "seconds": 2.0, "data_wait_seconds": 0.5, "ddp_timers": None})
-    tally.report(tmp_path)
-    summary = json.loads((tmp_path / "scaling.json").read_text())
+    summary = scaling.summary(records((320, 2.0, 0.5), (320, 2.0, 0.5)), None, 2)  # 2 epochs, 320 images in 2 s
     assert summary["images_per_sec"] == 160 and summary["images_per_sec_per_process"] == 80
     assert summary["step_ms"] == pytest.approx(200) and summary["data_wait_share"] == 0.25
     assert summary["all_reduce_wait_share"] is None and summary["ddp_timers_ms"] is None
-    one = ScalingTally(1, 16)
-    one.add({"train_images": 320, "seconds": 2.0, "data_wait_seconds": 0.5})
-    one.report(tmp_path / "missing")  # one process: nothing to say, nothing written
+    assert "(the all-reduce not timed: DDP timed no step" in scaling.line(summary)
 
 
-def test_a_run_resumed_after_its_last_step_has_no_scaling_summary(tmp_path):
-    """Stopped after the last step of its last epoch (found under SLURM, where a SIGTERM lands
-    on any step), the requeued run trains nothing: no summary, and no division by its 0 images.
-    A resumed epoch with no step left adds nothing to a later epoch's figures."""
-    untimed = {"train_images": 0, "seconds": 11.0, "data_wait_seconds": 0.0}
-    tally = ScalingTally(2, 16)
-    tally.add(untimed)
-    tally.report(tmp_path)
+def test_the_summary_is_of_the_runs_epochs_and_says_nothing_for_one_process(tmp_path):
+    """--scaling reads the run's epochs from metrics.jsonl: a resumed epoch that trained no step
+    (stopped after its last step, found under SLURM) adds its seconds and no images; one process,
+    or a run folder without epochs, writes and prints nothing."""
+    model = torch.nn.Linear(2, 2)
+    two = DistContext(0, 0, 2, 2, torch.device("cpu"), distributed=True)
+    scaling.report(tmp_path, model, two)  # no metrics.jsonl
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records((320, 2.0, 0.5), (0, 1.0, 0.0))))
+    scaling.report(tmp_path, model, DistContext.single())
     assert not (tmp_path / "scaling.json").exists()
-    tally.add({"train_images": 320, "seconds": 2.0, "data_wait_seconds": 0.5, "ddp_timers": None})
-    assert tally.summary()["images_per_sec"] == 160 and tally.summary()["data_wait_share"] == 0.25
+    scaling.report(tmp_path, model, two)
+    summary = json.loads((tmp_path / "scaling.json").read_text())
+    assert summary["images_per_sec"] == pytest.approx(320 / 3) and summary["data_wait_share"] == pytest.approx(0.5 / 3)
 
 
 @pytest.mark.slow
-def test_ddp_timers_are_read_from_ddp_itself_under_compile_and_not_under_a_graph():
+def test_ddp_timers_are_read_from_ddp_itself_and_under_compile():
     """The timers come from DDP's own logging data, in ms, also through torch.compile's wrapper
-    (not compiled until called); none for a replayed graph; nothing without DDP."""
+    (not compiled until called); none before DDP timed a step, and none without DDP."""
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         ddp = DDP(create_model(5))
+        assert ddp_timers(ddp) is None  # no step yet
         images, labels = sample_batch(4)
         for _ in range(3):
             torch.nn.functional.cross_entropy(ddp(images.float()), labels).backward()
-        timers = ddp_timers(ddp, graphed=False)["ddp_timers"]
+        timers = ddp_timers(ddp)
         data = ddp._get_ddp_logging_data()
         assert timers["forward_ms"] == data["avg_forward_compute_time"] / 1e6 > 0
         assert timers["all_reduce_ms"] == data["avg_backward_comm_time"] / 1e6 > 0
-        assert ddp_timers(torch.compile(ddp), graphed=False) == {"ddp_timers": timers}
-        assert ddp_timers(ddp, graphed=True) == {"ddp_timers": None}
-        assert ddp_timers(create_model(5), graphed=False) == {}
+        assert ddp_timers(torch.compile(ddp)) == timers
+        assert ddp_timers(create_model(5)) is None
     finally:
         dist.destroy_process_group()
 
 
 def test_the_summary_counts_an_optimizer_step_of_accumulated_batches():
-    """--accum-steps 4: one all-reduce per 4 batches, so the share is of a step of 4 batches."""
-    tally = ScalingTally(2, 8, accum_steps=4)
+    """--accum-steps 4: one all-reduce per 4 batches, so the share is of a step of 4 batches (the
+    global batch metrics.jsonl records: batch 8 x 2 processes x 4)."""
     timers = {"forward_ms": 50.0, "backward_ms": 100.0, "all_reduce_ms": 80.0, "hidden_ms": 0.0}
-    tally.add({"train_images": 640, "seconds": 10.0, "data_wait_seconds": 1.0, "ddp_timers": timers})
-    summary = tally.summary()
+    summary = scaling.summary(records((640, 10.0, 1.0), global_batch=64), timers, 2)
     assert summary["step_ms"] == pytest.approx(1000 * 8 * 4 * 2 / 64)  # 64 img/s in all
     assert summary["all_reduce_wait_share"] == pytest.approx(80 / summary["step_ms"])
-    assert "a step of 32 per process took 1000 ms" in tally.line(summary)
+    assert "a step of 32 per process took 1000 ms" in scaling.line(summary)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
-from conftest import (FAST, FAST_DEFAULT_WORKERS, SAMPLE, SMALL_MODEL, STOP_WITHIN, child_pids, kill_group, metrics, ok,
-                      processes_with_marker, start, start_job, train_here, wait_for_epochs, wait_until_gone)
-
-from multi_train_utils.distributed_utils import find_free_port
+from conftest import (FAST, FAST_DEFAULT_WORKERS, SAMPLE, SMALL_MODEL, STOP_WITHIN, child_pids, free_port, kill_group,
+                      metrics, ok, processes_with_marker, start, start_job, train_here, wait_for_epochs, wait_until_gone)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ def test_slurm_environment_tasks_in_pid_namespaces_of_their_own_with_their_own_c
     if os.geteuid() != 0 or shutil.which("unshare") is None or subprocess.run(
             [*own_namespace, "true"], capture_output=True).returncode != 0:
         own_namespace = []  # the rest still runs; the namespace needs root and util-linux's unshare
-    port = str(find_free_port())
+    port = str(free_port())
     procs = []
     for rank, folder in ((0, first), (1, copy)):
         env = {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2", "SLURM_NNODES": "1",
@@ -93,6 +93,7 @@ def test_a_checkpoint_moves_between_launchers_and_world_sizes_each_stopped_by_ct
         proc, marker = start_job(launcher, tmp_path, "--epochs", "4", "--resume", "auto", "--workers", "1",
                                  nproc=nproc)
         wait_for_epochs(proc, tmp_path, epochs)
+        saved(tmp_path)  # in training, not in rank 0's write of the epoch's checkpoint (the next test's)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
         seconds, err = wait_until_gone(proc, marker)
         assert seconds < STOP_WITHIN, (seconds, err[-2000:])
@@ -108,6 +109,31 @@ def test_a_checkpoint_moves_between_launchers_and_world_sizes_each_stopped_by_ct
     cosine = [1.0] + [lrf + (1 - lrf) * 0.5 * (1 + math.cos(math.pi * done / 3)) for done in (1, 2)]  # epochs 1-3 of 4
     for r, factor in zip(records, cosine):
         assert r["lr"] == pytest.approx(lr * batch * r["world_size"] / 256 * factor, rel=1e-6), r
+
+
+def saved(out: Path, timeout: float = 120) -> None:
+    """Wait until rank 0 has written the checkpoint of the epoch metrics.jsonl names last (the
+    line goes first): last.pth renamed into place after it, no temporary file left."""
+    deadline = time.monotonic() + timeout
+    while list(out.glob(".*.pth.tmp")) or (out / "last.pth").stat().st_mtime < (out / "metrics.jsonl").stat().st_mtime:
+        assert time.monotonic() < deadline, sorted(p.name for p in out.iterdir())
+        time.sleep(0.01)
+
+
+def test_ctrl_c_while_rank_0_writes_a_checkpoint_is_an_interruption(tmp_path):
+    """Ctrl-C (SIGINT to the job) while the one process writes its epoch's checkpoint, inline, in
+    the middle of the file: the run ends as any Ctrl-C ends it, "interrupted" and 130, within
+    STOP_WITHIN seconds; the cut-off write leaves its temporary file, never a torn last.pth."""
+    proc, marker = start_job("single", tmp_path, "--epochs", "4", "--workers", "1", nproc=1)
+    deadline = time.monotonic() + 180
+    while not [p for p in tmp_path.glob(".*.pth.tmp") if p.exists() and p.stat().st_size > 4 << 20]:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()  # epoch 1's best.pth, 90 MB
+        time.sleep(0.0005)
+    os.killpg(proc.pid, signal.SIGINT)
+    seconds, err = wait_until_gone(proc, marker)
+    assert seconds < STOP_WITHIN, (seconds, err[-2000:])
+    assert not (tmp_path / "last.pth").exists() and list(tmp_path.glob(".*.pth.tmp"))
+    assert proc.returncode == 130 and err.splitlines()[-1] == "interrupted", (proc.returncode, err[-3000:])
 
 
 def agent(out, run_id: str, endpoint: str, nnodes: str, *extra: str, fast: list[str] = FAST) -> list[str]:
@@ -127,10 +153,11 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 def test_two_agents_restart_after_a_worker_on_one_of_them_dies(tmp_path):
     """Two torchrun agents on loopback (two "nodes", c10d rendezvous, --max-restarts=1) make one
     job of world size 2, whose rank 0 alone prints; the worker under the second agent is killed
-    after epoch 1. Both agents restart their workers, which meet as a new attempt (torch's store,
-    none of the old attempt's keys), go on from last.pth, finish, and log each epoch once; no
+    after epoch 1. Both agents restart their workers, which meet as a new attempt at the agent's
+    store, under a prefix of their attempt (cluster/rendezvous.job_store: the failed group's keys
+    are still there, pytorch#135712), go on from last.pth, finish, and log each epoch once; no
     rank names a false cause."""
-    endpoint = f"127.0.0.1:{find_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     marker = f"two-agents-{os.getpid()}-{tmp_path.name}"
     env = {**ONE_THREAD, "TEST_JOB_MARKER": marker}
     first = start(agent(tmp_path, marker, endpoint, "2", "--epochs", "3"), env=env)
@@ -156,7 +183,7 @@ def test_a_second_agent_joining_restarts_the_job_with_both(tmp_path):
     restart count, and the run goes on from last.pth at the new world size and finishes, each
     epoch logged once. (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it, torch's agents wait on
     each other after a node joins; docs/multi-node.md.)"""
-    endpoint = f"127.0.0.1:{find_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     marker = "joining-" + tmp_path.name
     env = {**ONE_THREAD, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TEST_JOB_MARKER": marker}
     first = start(agent(tmp_path, marker, endpoint, "1:2", "--epochs", "4", fast=FAST_DEFAULT_WORKERS), env=env)

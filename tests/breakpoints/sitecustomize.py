@@ -1,10 +1,15 @@
 """Breakpoints for a real run, put on every Python process of a job through PYTHONPATH (Python
 imports `sitecustomize` at start-up): BREAKPOINTS lists `path:line` pairs, and each process
 writes the ones it reached, as a debugger would have stopped there, to BREAKPOINTS_OUT/PID.json
-when it exits. Used by tests/test_distributed.py on the torchrun launcher's eight steps."""
+when it exits. Used by tests/test_distributed.py on the torchrun launcher's nine steps.
+
+SIGTERM_AT=`path:line` makes the first process that reaches that line send SIGTERM to its whole
+process group there, as slurmstepd signals every process of a job: a moment of the run that a
+test cannot hit from outside (tests/test_preemption.py's SIGTERM during an evaluation)."""
 import atexit
 import json
 import os
+import signal
 import sys
 import threading
 
@@ -12,13 +17,19 @@ lines: dict[str, set[int]] = {}
 for spec in filter(None, os.environ.get("BREAKPOINTS", "").split(";")):
     path, _, line = spec.rpartition(":")
     lines.setdefault(path, set()).add(int(line))
+sigterm_path, _, sigterm_line = os.environ.get("SIGTERM_AT", "").rpartition(":")
+if sigterm_path:
+    lines.setdefault(sigterm_path, set()).add(int(sigterm_line))
 reached: set[str] = set()
 paths: dict[str, str] = {}  # a code object's file name: its absolute path
 
 
 def on_line(frame, event, arg):
     if event == "line" and frame.f_lineno in lines[paths[frame.f_code.co_filename]]:
-        reached.add(f"{paths[frame.f_code.co_filename]}:{frame.f_lineno}")
+        where = f"{paths[frame.f_code.co_filename]}:{frame.f_lineno}"
+        if where == f"{sigterm_path}:{sigterm_line}" and where not in reached:
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+        reached.add(where)
     return on_line
 
 
@@ -37,5 +48,6 @@ def write() -> None:
 
 if lines:
     sys.settrace(on_call)
-    threading.settrace(on_call)  # rank 0's checkpoint writer is a thread
-    atexit.register(write)
+    threading.settrace(on_call)  # threads too (torch's TensorBoard writer, DDP's autograd threads)
+    if "BREAKPOINTS_OUT" in os.environ:
+        atexit.register(write)
