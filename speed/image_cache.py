@@ -41,7 +41,7 @@ class SharedImageCache:
     name is removed before the (slow) decoding starts: the memory lives exactly as long as the
     processes mapping it, so a crash leaves nothing behind. Data-loader workers inherit the
     mapping when they fork, or map the file again through its descriptor when a fork server
-    starts them (distributed_utils.prepare_helper_start), so there is one copy per machine, not one per
+    starts them (distributed_utils.loader_options), so there is one copy per machine, not one per
     rank or per worker.
     """
 

@@ -42,6 +42,8 @@ SMALL_STEPS = ["--epochs", "2", "--batch-size", "2", *SMALL_MODEL]
 RECIPE = ["--ema", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--auto-augment", "ta_wide",
           "--random-erase", "0.25", "--img-size", "48", "--min-img-size", "32", "--ramp-epochs", "2",
           "--clip-grad-norm", "2", "--accum-steps", "2", "--val-img-size", "56", "--tta"]
+# A job of several processes trains a model with dropout: each rank's own draws must be kept by a stop.
+DROPOUT = ["--model", "mobilenet_v3_small"]
 STOPPED = re.compile(r"stopped: SIGTERM: every process stopped after step (\d+) of epoch (\d+)")
 
 
@@ -56,7 +58,7 @@ def stopped_job(proc, timeout: float = 120) -> tuple[int, str]:
 
 
 def steps_of(world_size: int) -> list[str]:
-    return SMALL_STEPS + (RECIPE if world_size == 1 else [])
+    return SMALL_STEPS + (RECIPE if world_size == 1 else DROPOUT)
 
 
 def trained(seconds: float, images: int = 10) -> Trained:
@@ -301,7 +303,7 @@ def test_sigterm_to_the_spawn_launcher_as_rank_0_writes_the_epochs_files(uninter
     its processes; rank 0 finishes its writes (the handler only notes the request), every rank
     stops after the first step of epoch 2, and the resumed run ends as the uninterrupted one."""
     proc = start(launcher_cmd("spawn", 2) + ["--data-path", str(SAMPLE), "--output-dir", str(tmp_path),
-                                             *FAST_DEFAULT_WORKERS, *SMALL_STEPS])
+                                             *FAST_DEFAULT_WORKERS, *steps_of(2)])
     try:
         for line in proc.stdout:
             if line.startswith("epoch 1/2:"):
@@ -314,7 +316,7 @@ def test_sigterm_to_the_spawn_launcher_as_rank_0_writes_the_epochs_files(uninter
     checkpoint = preempted(tmp_path, 2, err)
     assert checkpoint["epoch"] == 1 and checkpoint["steps_in_epoch"] >= 1  # epoch 1's files whole
 
-    ok(train("spawn", tmp_path, *SMALL_STEPS, "--resume", "auto", nproc=2, timeout=300, fast=FAST_DEFAULT_WORKERS))
+    ok(train("spawn", tmp_path, *steps_of(2), "--resume", "auto", nproc=2, timeout=300, fast=FAST_DEFAULT_WORKERS))
     ends_as_uninterrupted(tmp_path, *uninterrupted(2))
 
 
@@ -337,7 +339,7 @@ def test_sigterm_during_an_evaluation_stops_it_and_the_resumed_run_evaluates_aga
     hook = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "breakpoints"),
                                                         os.environ.get("PYTHONPATH")])),
             "SIGTERM_AT": evaluation_line()}
-    result = train("spawn", tmp_path, *SMALL_STEPS, nproc=2, timeout=300, env=hook, fast=FAST_DEFAULT_WORKERS)
+    result = train("spawn", tmp_path, *steps_of(2), nproc=2, timeout=300, env=hook, fast=FAST_DEFAULT_WORKERS)
     assert result.returncode == EXIT_PREEMPTED, result.stderr[-3000:]
     assert "epoch 1/2:" not in result.stdout  # the evaluation never finished
     batches = int(re.search(r"(\d+) batches a process", result.stdout)[1])
@@ -345,7 +347,7 @@ def test_sigterm_during_an_evaluation_stops_it_and_the_resumed_run_evaluates_aga
     assert (checkpoint["epoch"], checkpoint["steps_in_epoch"]) == (0, batches)
     assert not (tmp_path / "metrics.jsonl").exists() or not metrics(tmp_path)
 
-    out = ok(train("spawn", tmp_path, *SMALL_STEPS, "--resume", "auto", nproc=2, timeout=300,
+    out = ok(train("spawn", tmp_path, *steps_of(2), "--resume", "auto", nproc=2, timeout=300,
                    fast=FAST_DEFAULT_WORKERS)).stdout
     assert f"epoch 1 goes on after step {batches}" in out
     ends_as_uninterrupted(tmp_path, *uninterrupted(2))

@@ -102,7 +102,7 @@ def test_the_time_limits_warning_requeues_the_job_which_goes_on_and_a_killed_tas
     """The script's own `--signal=B:...@N` before its time limit, sent by SLURM to the batch
     script, whose trap passes it on to every process of the job step (`scancel --signal=TERM`).
     slurmctld looks at time limits every 30 s and sends the warning at the first look less than
-    N + 30 s before the limit (measured here): with a 2-minute limit and TERM@60, 30 to 60 s into
+    N + 30 s before the limit (measured here): with a 2-minute limit and USR1@60, 30 to 60 s into
     the job. The job has more epochs than any of these machines trains in that time, and once
     epoch 1 is logged its tasks are held (hold_until_signalled): the warning finds them in
     training whatever the machine's speed. Every task stops after the same step, rank 0 writes

@@ -1,7 +1,7 @@
 """A job ended from outside, at any moment, and taken up again: a SIGTERM while the processes
-still meet ends them at once; a run killed as rank 0 saves an epoch logs that epoch once; a run
-of a model with dropout, stopped and resumed, takes the uninterrupted run's steps; a rank that
-cannot read best.pth for the report stops every rank with its reason."""
+still meet ends them at once; a run killed as rank 0 saves an epoch logs that epoch once; a rank
+that cannot read best.pth for the report stops every rank with its reason. (A model with dropout
+stopped and resumed: tests/test_preemption.py's jobs of two processes.)"""
 from __future__ import annotations
 
 import datetime
@@ -22,11 +22,9 @@ from conftest import (
     SMALL_MODEL,
     free_port,
     kill_group,
-    launcher_cmd,
     metrics,
     ok,
     start,
-    train,
     train_here,
 )
 
@@ -119,41 +117,6 @@ def test_a_run_killed_as_it_saves_an_epoch_logs_that_epoch_once(tmp_path, monkey
     monkeypatch.undo()
     ok(train_here(out, "--epochs", "3", "--resume", "auto", *SMALL_MODEL))
     assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
-
-
-# MobileNetV3's classifier has dropout (p=0.2): the draws a stop and resume must reproduce.
-DROPOUT = ["--epochs", "2", "--model", "mobilenet_v3_small", "--no-channels-last"]
-
-
-@pytest.mark.slow
-def test_a_model_with_dropout_stopped_and_resumed_takes_the_uninterrupted_runs_steps(tmp_path):
-    """torchrun, two processes, the default loader workers: SIGTERM to the job once epoch 1 is
-    logged; the resumed run's losses and final weights are the uninterrupted run's, to the bit.
-    Every draw of the training process is seeded by its rank, epoch and batch."""
-    whole = tmp_path / "whole"
-    ok(train("launch", whole, *DROPOUT, nproc=2, timeout=300, fast=FAST_DEFAULT_WORKERS))
-    stopped = tmp_path / "stopped"
-    proc = start(launcher_cmd("launch", 2) + ["--data-path", str(SAMPLE), "--output-dir", str(stopped),
-                                              *FAST_DEFAULT_WORKERS, *DROPOUT])
-    try:
-        wait_for(lambda: (stopped / "metrics.jsonl").exists() and metrics(stopped), proc, "epoch 1's line", 300)
-        os.killpg(proc.pid, signal.SIGTERM)  # as slurmstepd signals every process of a job
-        code, err = proc.wait(timeout=120), proc.stderr.read()
-    finally:
-        kill_group(proc)
-    # Each process saved and exited 75; torchrun itself, signalled, ends with 1 (a job script tells a
-    # preemption by preempted.txt: docs/multi-node.md).
-    assert code == 1 and err.count("stopped: SIGTERM: every process stopped after step") == 2, err[-3000:]
-    assert (stopped / "preempted.txt").exists()
-    position = load_checkpoint(stopped / "last.pth")
-    assert position["epoch"] == 1 and position["steps_in_epoch"] > 0, err[-3000:]  # inside epoch 2
-
-    ok(train("launch", stopped, *DROPOUT, "--resume", "auto", nproc=2, timeout=300, fast=FAST_DEFAULT_WORKERS))
-    assert [m["train_loss"] for m in metrics(stopped)] == [m["train_loss"] for m in metrics(whole)]
-    assert [m["val_loss"] for m in metrics(stopped)] == [m["val_loss"] for m in metrics(whole)]
-    final, expected = load_checkpoint(stopped / "last.pth")["model"], load_checkpoint(whole / "last.pth")["model"]
-    for name, value in expected.items():
-        assert torch.equal(final[name], value), name
 
 
 def _reports_from_its_view(rank: int, port: int, views: list[str]) -> None:
