@@ -55,7 +55,7 @@ def main() -> None:
     # Where the processes meet, exported for them: --dist-url, else MASTER_ADDR:MASTER_PORT, else a free port on
     # 127.0.0.1 (gloo then stays on loopback: GLOO_SOCKET_IFNAME).
     rendezvous.meeting_point(args)
-    signal.signal(signal.SIGTERM, rendezvous.end_with_the_started)  # while they start: theirs, and this process ends
+    signal.signal(signal.SIGTERM, rendezvous.end_with_the_started)  # while they start: passed on, and all end
     context = mp.spawn(worker, args=(plan,), nprocs=world_size, join=False)
     # The first failure ends the job; a SIGTERM to this process alone is passed on to them; Ctrl-C ends them all.
     sys.exit(rendezvous.join_processes(context))
