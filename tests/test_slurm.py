@@ -183,11 +183,12 @@ def test_a_plain_scancel_saves_the_position_and_a_new_job_goes_on_from_it(cluste
 def test_a_task_failing_at_start_up_ends_the_job_failed_and_not_requeued(cluster, tmp_path):
     """Task 1 is given a --data-path that does not exist (the data missing on one node) and ends
     at once, with its own error line and 2; srun (--kill-on-bad-exit) then sends SIGTERM to task
-    0, which is starting too and ends by it. No time limit's warning came: the job ends FAILED and
-    is not requeued, as it would be again and again while the data stays missing."""
-    python = tmp_path / "python"  # this interpreter, with task 1's data path replaced
-    python.write_text(f'#!/bin/sh\n[ "$SLURM_PROCID" = 1 ] && set -- "$@" --data-path {tmp_path}/missing\n'
-                      f'exec {sys.executable} "$@"\n')
+    0, which is still importing torch (slowed several-fold by tracemalloc, as from a slow shared
+    file system) and ends by it. No time limit's warning came: the job ends FAILED and is not
+    requeued, as it would be again and again while the data stays missing."""
+    python = tmp_path / "python"  # this interpreter, with task 1's data path replaced, task 0 slowed
+    python.write_text(f'#!/bin/sh\ncase "$SLURM_PROCID" in\n  1) set -- "$@" --data-path {tmp_path}/missing ;;\n'
+                      f'  0) set -- -X tracemalloc "$@" ;;\nesac\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     job, run, output = submit(cluster, tmp_path, epochs=2, python=str(python))
     fields = wait_for(cluster, job, output, lambda f: f["JobState"] in FINAL_STATES or f["Restarts"] != "0",
