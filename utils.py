@@ -84,13 +84,10 @@ def exit_on_error(main: Callable[..., Any]) -> Callable[..., None]:
         atexit.register(gc.freeze)
         try:
             main(*args, **kwargs)
-        except KeyboardInterrupt:
-            stderr_line("interrupted")
-            sys.exit(130)  # the shell's code for "ended by SIGINT"
-        except Exception as e:
-            if interrupted(e):  # Ctrl-C cut a call short, which then failed (torch.save's zip writer)
+        except (KeyboardInterrupt, Exception) as e:
+            if interrupted(e):  # Ctrl-C, or a call it cut short that then failed (torch.save's zip writer)
                 stderr_line("interrupted")
-                sys.exit(130)
+                sys.exit(130)  # the shell's code for "ended by SIGINT"
             ours = isinstance(e, ProjectError)
             record_for_torchrun(e, stderr_line(f"{e.prefix}: {e}" if ours else traceback.format_exc().rstrip()))
             traceback.clear_frames(e.__traceback__)
